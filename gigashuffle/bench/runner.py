@@ -1,0 +1,395 @@
+"""``gigashuffle bench``: the loader and its baselines side by side, one table.
+
+For each workload: samples/s and MB/s of the loader, the copy floor and the DataLoader baseline; the
+loader's start-up against ``python -c "import torch"``; the USS of each loader child; Redis commands per
+batch; and shuffle quality of the loader and the DataLoader baseline against an ideal buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from . import quality
+from .baselines import copy_floor, dataloader_baseline, timed_batches
+from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
+
+log = logging.getLogger(__name__)
+
+Result = dict[str, Any]
+
+NUM_WRITERS = 1
+NUM_READERS = 1
+MIN_MIXING = 0.5
+DATALOADER_WORKERS = 2
+# Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
+WARMUP_CAP_S = 60.0
+MIB = 1 << 20
+
+
+def import_torch_seconds() -> float:
+    """Wall time of a fresh ``python -c "import torch"``: the start-up cost every torch job pays anyway."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
+
+
+def redis_command_calls(client: Any) -> int:
+    """Total calls over all commands in ``INFO commandstats``."""
+    stats = client.info("commandstats")
+    return sum(int(entry.get("calls", 0)) for entry in stats.values() if isinstance(entry, dict))
+
+
+def child_memory(child_pids: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """USS, PSS and shared (resident, file- or shm-backed) bytes of each loader child."""
+    rows = []
+    for role, pids in sorted(child_pids.items()):
+        for pid in pids:
+            try:
+                mem = psutil.Process(pid).memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+                log.warning("no memory figures for %s pid %d: %s", role, pid, exc)
+                continue
+            rows.append({"role": role, "pid": pid, "uss": mem.uss, "pss": mem.pss, "shared": mem.shared})
+    return rows
+
+
+def _batch_ids(batch: list[dict[str, torch.Tensor]]) -> np.ndarray | None:
+    for group in batch:
+        if ID_FIELD in group:
+            return group[ID_FIELD].numpy().copy()
+    return None
+
+
+def _warm_up(
+    next_batch: Callable[[], int], full_slots: Callable[[], int], threshold: int, cap_s: float
+) -> tuple[int, float, bool]:
+    """Read batches until the buffer has held ``threshold`` full slots once. Returns (batches, s, mixed)."""
+    start = time.perf_counter()
+    batches = 0
+    while full_slots() < threshold:
+        if time.perf_counter() - start > cap_s:
+            log.warning("buffer never reached %d full slots in %.0f s; timing it unmixed", threshold, cap_s)
+            return batches, time.perf_counter() - start, False
+        next_batch()
+        batches += 1
+    return batches, time.perf_counter() - start, True
+
+
+def measure_loader(workload: Workload, seconds: float, redis_url: str | None = None) -> Result:
+    """Start the loader on ``workload``, wait until it is mixed, then time ``seconds`` of batches."""
+    # Imported here so the baselines and quality code work without the loader (and its imports).
+    from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: PLC0415
+
+    cfg = DataloaderConfig(
+        bs=workload.bs,
+        shuffle_size=workload.shuffle_size,
+        queue_name=f"bench-{workload.name}-{os.getpid()}-{secrets.token_hex(4)}",
+        num_writers=NUM_WRITERS,
+        num_readers=NUM_READERS,
+        min_mixing=MIN_MIXING,
+        redis_url=redis_url,
+    )
+    import_torch_s = import_torch_seconds()
+    ids: list[np.ndarray] = []
+    start = time.perf_counter()
+    with MultiprocessShuffledDataloader(RepeatingChunkDataset(workload), cfg) as loader:
+        loader.get_dummy_batch()
+        startup_s = time.perf_counter() - start
+        log.info("%s: loader start-up %.2f s (import torch %.2f s)", workload.name, startup_s, import_torch_s)
+        batches: Iterator[list[dict[str, torch.Tensor]]] = iter(loader)
+
+        def step() -> int:
+            batch = next(batches)
+            batch_ids = _batch_ids(batch)
+            if batch_ids is not None:
+                ids.append(batch_ids)
+            return len(batch[0][next(iter(batch[0]))])
+
+        threshold = math.ceil(MIN_MIXING * workload.shuffle_size)
+        warm_batches, warm_s, mixed = _warm_up(
+            step, lambda: int(loader.stats().full), threshold, WARMUP_CAP_S
+        )
+        client = loader.redis_client()
+        calls_before = redis_command_calls(client)
+        rate = timed_batches(step, seconds, workload.row_bytes)
+        # The INFO that took calls_before shows up in the second snapshot: take it off.
+        redis_calls = redis_command_calls(client) - calls_before - 1
+        children = child_memory(loader.child_pids())
+    return {
+        **rate.to_dict(),
+        "startup_s": startup_s,
+        "import_torch_s": import_torch_s,
+        "startup_vs_import_torch": startup_s / import_torch_s,
+        "warmup_batches": warm_batches,
+        "warmup_s": warm_s,
+        "mixed": mixed,
+        "redis_calls": redis_calls,
+        "redis_cmds_per_batch": redis_calls / rate.batches,
+        "children": children,
+        "quality": quality.measure(ids, workload.shuffle_size, NUM_WRITERS).to_dict() if ids else None,
+    }
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def run_workload(
+    name: str,
+    seconds: float = 5.0,
+    loader: bool = True,
+    baselines: bool = True,
+    redis_url: str | None = None,
+) -> Result:
+    """Measure one workload: ``seconds`` of timed batches for each implementation, one after the other."""
+    workload = get_workload(name)
+    result: Result = {
+        "workload": name,
+        "bs": workload.bs,
+        "shuffle_size": workload.shuffle_size,
+        "chunk_rows": workload.chunk_rows,
+        "row_bytes": workload.row_bytes,
+        "seconds": seconds,
+        "torch_threads": torch.get_num_threads(),
+        "num_writers": NUM_WRITERS,
+        "num_readers": NUM_READERS,
+        "min_mixing": MIN_MIXING,
+    }
+    if baselines:
+        result.update(_measure_baselines(workload, seconds))
+    if loader:
+        result["loader"] = measure_loader(workload, seconds, redis_url)
+        gc.collect()
+    if loader and baselines:
+        rate = result["loader"]["samples_per_s"]
+        result["loader_vs_floor"] = _ratio(rate, result["copy_floor"]["samples_per_s"])
+        result["loader_vs_dataloader"] = _ratio(rate, result["dataloader"]["samples_per_s"])
+    return result
+
+
+def _measure_baselines(workload: Workload, seconds: float) -> Result:
+    floor = copy_floor(workload, seconds).to_dict()
+    log.info("%s: copy floor %.0f samples/s", workload.name, floor["samples_per_s"])
+    gc.collect()  # the floor's source tensor can be 600 MB: free it before the DataLoader forks
+    run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS)
+    log.info("%s: DataLoader %.0f samples/s", workload.name, run.rate.samples_per_s)
+    gc.collect()
+    dataloader = {
+        **run.rate.to_dict(),
+        "num_workers": run.num_workers,
+        "quality": quality.measure(run.ids, workload.shuffle_size, run.num_workers).to_dict(),
+    }
+    return {"copy_floor": floor, "dataloader": dataloader}
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-align the first two columns (names), right-align the rest (numbers)."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            cell.ljust(width) if i < 2 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(row) for row in rows)])
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return (
+        "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
+    )
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+_IMPLS = (("loader", "loader"), ("copy_floor", "copy floor"), ("dataloader", "DataLoader"))
+
+
+def _throughput_table(results: Sequence[Result]) -> str:
+    rows = []
+    for res in results:
+        for key, label in _IMPLS:
+            if key not in res:
+                continue
+            ratios = ("", "")
+            if key == "loader":
+                ratios = (_times(res.get("loader_vs_floor")), _times(res.get("loader_vs_dataloader")))
+            rate = res[key]
+            rows.append(
+                [res["workload"], label, _num(rate["samples_per_s"]), _num(rate["mb_per_s"], 1), *ratios]
+            )
+    return _table(["workload", "impl", "samples/s", "MB/s", "loader/floor", "loader/DataLoader"], rows)
+
+
+def _loader_tables(results: Sequence[Result]) -> list[str]:
+    loaders = [(res["workload"], res["loader"]) for res in results if "loader" in res]
+    if not loaders:
+        return []
+    startup = [
+        [
+            name,
+            "",
+            f"{ld['startup_s']:.2f} s",
+            f"{ld['import_torch_s']:.2f} s",
+            _times(ld["startup_vs_import_torch"]),
+        ]
+        for name, ld in loaders
+    ]
+    memory = [
+        [
+            name,
+            child["role"],
+            str(child["pid"]),
+            _num(child["uss"] / MIB, 1),
+            _num(child["pss"] / MIB, 1),
+            _num(child["shared"] / MIB, 1),
+        ]
+        for name, ld in loaders
+        for child in ld["children"]
+    ]
+    redis = [
+        [
+            name,
+            "",
+            _num(ld["redis_cmds_per_batch"], 2),
+            str(ld["redis_calls"]),
+            str(ld["batches"]),
+            f"{ld['warmup_batches']} in {ld['warmup_s']:.2f} s" + ("" if ld["mixed"] else " (never mixed)"),
+        ]
+        for name, ld in loaders
+    ]
+    return [
+        "start-up (constructor to dummy batch) vs python -c 'import torch'\n"
+        + _table(["workload", "", "loader", "import torch", "ratio"], startup),
+        "loader children after the timed window (MiB)\n"
+        + _table(["workload", "role", "pid", "USS", "PSS", "shared"], memory),
+        "Redis commands over the timed window (INFO commandstats)\n"
+        + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
+    ]
+
+
+def _quality_table(results: Sequence[Result]) -> str:
+    rows = []
+    for res in results:
+        for key, label in _IMPLS:
+            qual = res.get(key, {}).get("quality")
+            if not qual:
+                continue
+            rows.append(
+                [
+                    res["workload"],
+                    label,
+                    _num(qual["displacement"]),
+                    _num(qual["ideal_displacement"]),
+                    _num(qual["displacement_ratio"], 3),
+                    _num(qual["slot_age"]),
+                    _num(qual["ideal_slot_age"]),
+                    _num(qual["read_lag"]),
+                    _num(qual["distinct_writers_per_batch"], 2),
+                    _num(100 * qual["duplicate_fraction"], 2),
+                    _num(qual["rows"]),
+                ]
+            )
+    headers = [
+        "workload",
+        "impl",
+        "displacement",
+        "ideal",
+        "ratio",
+        "slot age",
+        "ideal age",
+        "read lag",
+        "writers/batch",
+        "dup %",
+        "rows",
+    ]
+    return (
+        "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal)\n"
+        + _table(headers, rows)
+    )
+
+
+def format_table(results: Sequence[Result] | Result) -> str:
+    """The human-readable report of :func:`run_workload` results."""
+    results = [results] if isinstance(results, dict) else list(results)
+    if not results:
+        return "no results"
+    first = results[0]
+    header = (
+        f"gigashuffle bench: {first['num_writers']} writer(s), {first['num_readers']} reader(s), "
+        f"min_mixing {first['min_mixing']}, {first['seconds']:g} s per measurement, "
+        f"torch threads {first['torch_threads']}, DataLoader {DATALOADER_WORKERS} workers"
+    )
+    sections = [header, _throughput_table(results), *_loader_tables(results)]
+    if any(res.get(key, {}).get("quality") for res in results for key, _ in _IMPLS):
+        sections.append(_quality_table(results))
+    return "\n\n".join(sections) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigashuffle bench", description="Benchmark the loader against a copy floor and a DataLoader."
+    )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=[*WORKLOADS, "all"],
+        help="workload to run (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=5.0, help="timed seconds per implementation (default 5)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--no-baselines", action="store_true", help="measure the loader only")
+    parser.add_argument("--no-loader", action="store_true", help="measure the baselines only")
+    parser.add_argument("--redis-url", default=None, help="Redis to use (default: embedded private server)")
+    parser.add_argument("--log-level", default="INFO", help="logging level for progress on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    names = (
+        list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
+    )
+    results = [
+        run_workload(
+            name,
+            args.seconds,
+            loader=not args.no_loader,
+            baselines=not args.no_baselines,
+            redis_url=args.redis_url,
+        )
+        for name in names
+    ]
+    sys.stdout.write(json.dumps(results, indent=2) + "\n" if args.json else format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

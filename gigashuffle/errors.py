@@ -1,0 +1,89 @@
+"""The exception tree of gigashuffle.
+
+User input errors are plain ``ValueError``/``TypeError`` (raised by the constructor that got the input).
+Everything that goes wrong at run time derives from :class:`GigashuffleError` and carries the context a user
+needs to act on it without reading our source: which process, which queue, which field.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class GigashuffleError(RuntimeError):
+    """Base class of every run-time error raised by gigashuffle."""
+
+
+class SchemaError(GigashuffleError, ValueError):
+    """A dataset chunk does not match the layout taken from the first chunk (or cannot be stored at all)."""
+
+
+class WorkerDied(GigashuffleError):
+    """A writer or reader process ended while the loader needed it.
+
+    ``traceback_text`` is the child's own formatted traceback when it died from an exception (children report
+    it before exiting); it is empty when the child was killed by a signal.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        index: int,
+        pid: int,
+        exitcode: int | None,
+        traceback_text: str = "",
+        queue: str = "",
+    ) -> None:
+        self.role = role
+        self.index = index
+        self.pid = pid
+        self.exitcode = exitcode
+        self.traceback_text = traceback_text
+        self.queue = queue
+        super().__init__(self._describe())
+
+    @property
+    def signal(self) -> int | None:
+        """The signal number that ended the child, if a signal did."""
+        return -self.exitcode if self.exitcode is not None and self.exitcode < 0 else None
+
+    def _describe(self) -> str:
+        if self.signal is not None:
+            try:
+                how = f"killed by {signal.Signals(self.signal).name}"
+            except ValueError:
+                how = f"killed by signal {self.signal}"
+        else:
+            how = f"exited with code {self.exitcode}"
+        text = f"gigashuffle {self.role} {self.index} (pid {self.pid}) of queue {self.queue!r} {how}"
+        if self.traceback_text:
+            last = self.traceback_text.strip().splitlines()[-1]
+            text += f": {last}\n\nTraceback from the {self.role} process:\n{self.traceback_text.rstrip()}"
+        return text
+
+    def __reduce__(self) -> tuple[type[WorkerDied], tuple[str, int, int, int | None, str, str]]:
+        return (type(self), (self.role, self.index, self.pid, self.exitcode, self.traceback_text, self.queue))
+
+
+class QueueInUseError(GigashuffleError):
+    """Another live trainer already holds this queue name and global rank."""
+
+
+class RedisUnavailableError(GigashuffleError):
+    """Redis could not be reached within the retry budget."""
+
+
+class QueueStateLostError(GigashuffleError):
+    """The queue's bookkeeping vanished from Redis (a restart without persistence, a FLUSHALL, an eviction)."""
+
+
+class TamperedMetadataError(GigashuffleError):
+    """Metadata read from Redis failed its HMAC check: it was not written by a process of this node and user."""
+
+
+class AttachError(GigashuffleError):
+    """A process could not attach to the node's shared buffer."""
+
+
+class ConfigMismatchError(GigashuffleError, ValueError):
+    """Two loaders on one queue and node disagree on a setting that must be shared (bs, shuffle_size, ...)."""

@@ -1,0 +1,84 @@
+"""Every Redis key name of a queue, built in one place.
+
+All keys of one queue on one node share the hash tag ``{<queue>@<node>}``, so a Redis Cluster keeps them on one
+shard and every Lua script may touch all of them. Nothing else in the package spells a key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "gigashuffle"
+META_PATTERN = f"{PREFIX}:{{*}}:meta"
+CONF_PATTERN = f"{PREFIX}:{{*}}:conf"
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    queue: str
+    node: str
+
+    @property
+    def tag(self) -> str:
+        return f"{PREFIX}:{{{self.queue}@{self.node}}}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.tag}:{name}"
+
+    @property
+    def gen(self) -> str:
+        """The node session's generation: a process holding another one is stale and is refused."""
+        return self._key("gen")
+
+    @property
+    def conf(self) -> str:
+        """JSON of the settings every rank of the node must agree on."""
+        return self._key("conf")
+
+    @property
+    def meta(self) -> str:
+        """Hash: the buffer's layout, size, first row and owner, with an HMAC over them."""
+        return self._key("meta")
+
+    @property
+    def empty(self) -> str:
+        return self._key("empty")
+
+    @property
+    def full(self) -> str:
+        return self._key("full")
+
+    @property
+    def reading(self) -> str:
+        """Slots being gathered, tracked only with evict_on_read=False so evict() can defer."""
+        return self._key("reading")
+
+    @property
+    def evict_pending(self) -> str:
+        return self._key("evict")
+
+    @property
+    def procs(self) -> str:
+        """Hash: process id -> JSON (role, rank, index, pid, host, attach socket)."""
+        return self._key("procs")
+
+    def lease(self, proc: str) -> str:
+        """Set of the slots process ``proc`` holds (writing or reading)."""
+        return self._key(f"lease:{proc}")
+
+    def rank(self, global_rank: int) -> str:
+        """A trainer's claim on its rank: a token with a TTL, refreshed by a heartbeat."""
+        return self._key(f"rank:{global_rank}")
+
+    def fixed(self) -> list[str]:
+        """The keys every session has, whatever processes joined."""
+        return [self.gen, self.conf, self.meta, self.empty, self.full, self.reading, self.evict_pending, self.procs]
+
+    @staticmethod
+    def parse_tag(key: str) -> tuple[str, str] | None:
+        """``(queue, node)`` from any key of a queue, or None for a key that is not ours."""
+        start, end = key.find("{"), key.find("}")
+        if not key.startswith(PREFIX + ":") or start < 0 or end < start:
+            return None
+        queue, _, node = key[start + 1 : end].rpartition("@")
+        return (queue, node) if queue else None

@@ -1,0 +1,290 @@
+"""``MultiprocessShuffledDataloader``: the object a training script iterates."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from . import embedded
+from .config import DataloaderConfig
+from .errors import GigashuffleError
+from .keys import QueueKeys
+from .meta import verified_layout
+from .redisconn import Client, connect
+from .runtime import node_secret, remove_stale_sockets, runtime_dir
+from .schema import INDEX_KEY
+from .session import NodeSession
+from .slots import ShuffleBufferStats
+from .supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+Batch = list[dict[str, torch.Tensor]]
+_REPLY_TIMEOUT_S = 60.0
+
+
+def resolve_redis_url(config: DataloaderConfig) -> tuple[str, embedded.EmbeddedServer | None]:
+    """The Redis to use: ``redis_url``, the seed's host/port/db, ``$GIGASHUFFLE_REDIS_URL``, else embedded."""
+    url = config.redis_url or config.legacy_redis_url()
+    if url:
+        return url, None
+    env_url = os.environ.get("GIGASHUFFLE_REDIS_URL")
+    if env_url:
+        if not env_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"GIGASHUFFLE_REDIS_URL={env_url!r} is invalid: use redis://host:port/db, rediss://... or "
+                "unix:///path/to.sock, or unset it to use the embedded server"
+            )
+        return env_url, None
+    server = embedded.acquire(config.node)
+    return server.url, server
+
+
+class MultiprocessShuffledDataloader:
+    """Iterate over shuffled batches drawn from the node-wide shared buffer.
+
+    Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
+    its batch (and every view of one) is gone, so a batch stays valid while the caller holds it. A caller that
+    holds more batches than the ring has room for gets copies instead, never a stall.
+    """
+
+    def __init__(self, dataset: Any, config: DataloaderConfig) -> None:
+        if not isinstance(config, DataloaderConfig):
+            raise TypeError(f"config must be a DataloaderConfig, got {type(config).__name__}")
+        if not hasattr(dataset, "__iter__"):
+            raise TypeError(
+                f"dataset must be an iterable (a torch IterableDataset) yielding chunks, got {type(dataset).__name__}"
+            )
+        self.config = config
+        self.dataset = dataset
+        self.keys = QueueKeys(config.queue_name, config.node)
+        directory = runtime_dir()
+        remove_stale_sockets(directory)
+        self._secret = node_secret(directory)
+        self.redis_url, server = resolve_redis_url(config)
+        client: Client | None = None
+        session: NodeSession | None = None
+        try:
+            client = connect(self.redis_url, config.redis_timeout_s)
+            session = NodeSession(client, config)
+            self._sup = Supervisor(config, dataset, client, self.redis_url, server, session, str(directory))
+        except BaseException:
+            if session is not None:
+                session.leave()
+            if client is not None:
+                client.close()
+            if server is not None:
+                embedded.release(server)
+            raise
+        self._finalizer = weakref.finalize(self, self._sup.shutdown)
+        self._pass_open = False
+
+    # -- iteration -------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        if self.config.fill_once:
+            return self._one_pass()
+        return self._stream()
+
+    def _stream(self) -> Iterator[Batch]:
+        while True:
+            yield self._next_batch()
+
+    def _one_pass(self) -> Iterator[Batch]:
+        sup = self._sup
+        self._finish_open_pass()
+        reader = self._wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
+        sup.replies.pop(("end", 0), None)
+        reader.channel.send(("pass", 0))
+        self._pass_open = True
+        while True:
+            while not sup.ready and ("end", 0) not in sup.replies:
+                sup.pump()
+            if sup.ready:
+                yield self._deliver(*sup.ready.popleft())
+            else:
+                sup.replies.pop(("end", 0))
+                self._pass_open = False
+                return
+
+    def _finish_open_pass(self) -> None:
+        """Discard the rest of a pass the caller abandoned, so the next pass starts at its first batch."""
+        sup = self._sup
+        while self._pass_open:
+            while sup.ready:
+                child, k = sup.ready.popleft()
+                sup.send_free(child, k)
+            if ("end", 0) in sup.replies:
+                sup.replies.pop(("end", 0))
+                self._pass_open = False
+            else:
+                sup.pump()
+
+    def _next_batch(self) -> Batch:
+        sup = self._sup
+        self._check_open()
+        while not sup.ready:
+            sup.pump()
+        return self._deliver(*sup.ready.popleft())
+
+    def _deliver(self, child: Any, k: int) -> Batch:
+        ring = child.ring
+        if ring is None:
+            raise AssertionError("a batch arrived before its reader's ring")
+        if child.held >= ring.depth - 1:
+            # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
+            batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
+            self._sup.send_free(child, k)
+            return batch
+        child.held += 1
+        return ring.batch(k, self._sup.release_later(child, k))
+
+    def _wait_for(self, probe: Any, what: str) -> Any:
+        while (found := probe()) is None:
+            self._sup.pump()
+        return found
+
+    # -- the rest of the API ---------------------------------------------------------------------------------
+    def get_dummy_batch(self) -> Batch:
+        """A batch of ``bs`` copies of the dataset's first row, for warm-up before the buffer is mixed.
+
+        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1.
+        """
+        self._check_open()
+        store = self._sup.session.store
+        meta = self._wait_for(lambda: m if "hmac" in (m := store.meta()) else None, "the first chunk")
+        layout = verified_layout(self._secret, store.generation, meta, self.config.queue_name)
+        row = memoryview(bytearray(meta["first_row"]))
+        bs, offset = self.config.bs, 0
+        batch: Batch = [{} for _ in range(layout.num_groups)]
+        for spec in layout.fields:
+            raw = torch.frombuffer(row, dtype=torch.uint8, count=spec.row_bytes, offset=offset)
+            value = raw.view(spec.dtype).view(spec.shape)
+            batch[spec.group][spec.key] = value.unsqueeze(0).repeat(bs, *([1] * len(spec.shape)))
+            offset += spec.row_bytes
+        batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
+        return batch
+
+    def stats(self) -> ShuffleBufferStats:
+        """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
+        self._check_open()
+        _gen, full, empty, _procs = self._sup.session.store.stats()
+        if full + empty == 0 and "slots" not in self._sup.session.store.meta():
+            return ShuffleBufferStats(0, 0, 0)
+        return ShuffleBufferStats(full, empty, self.config.shuffle_size - full - empty)
+
+    def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
+        """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.
+
+        A slot that a reader is gathering right now is evicted when that reader returns it.
+        """
+        self._check_open()
+        if self.config.evict_on_read:
+            raise ValueError("evict() needs DataloaderConfig.evict_on_read=False; with True, reads already evict")
+        if isinstance(indices, torch.Tensor):
+            indices = indices.detach().cpu().numpy()
+        ids = np.asarray(indices).reshape(-1)
+        if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.config.shuffle_size):
+            raise ValueError(
+                f"evict(indices) needs integer slot indices in [0, {self.config.shuffle_size}); got dtype "
+                f"{ids.dtype} with range [{ids.min()}, {ids.max()}]. Pass batch[0][INDEX_KEY]."
+            )
+        return self._sup.session.store.evict(np.unique(ids).astype(np.int32)) if ids.size else 0
+
+    def attach_training_context(self, context: Any) -> None:
+        """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
+        self._check_open()
+        self._sup.context = (True, context)
+        self._sup.send_to_writers(("context", context))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's state in every writer of this rank (``dataset.state_dict()``), for checkpoints."""
+        self._check_open()
+        if not callable(getattr(self.dataset, "state_dict", None)):
+            raise TypeError(f"{type(self.dataset).__name__} has no state_dict(); implement state_dict/load_state_dict")
+        sup = self._sup
+        writers = self._wait_for(lambda: w if len(w := sup.writers()) == self.config.num_writers else None, "")
+        request = time.monotonic_ns()
+        for key in [k for k in sup.replies if k[0] == "state"]:
+            del sup.replies[key]
+        for child in writers:
+            child.channel.send(("state_dict", request))
+        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        while any(("state", c.index) not in sup.replies for c in writers):
+            if time.monotonic() > deadline:
+                raise GigashuffleError(f"writers did not report their dataset state within {_REPLY_TIMEOUT_S}s")
+            sup.pump()
+        return {
+            "global_rank": self.config.global_rank,
+            "global_world_size": self.config.global_world_size,
+            "num_writers": self.config.num_writers,
+            "writers": [sup.replies.pop(("state", c.index))[3] for c in sorted(writers, key=lambda c: c.index)],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the datasets of this rank's writers from ``state_dict()`` output of the same rank layout."""
+        self._check_open()
+        if not callable(getattr(self.dataset, "load_state_dict", None)):
+            raise TypeError(f"{type(self.dataset).__name__} has no load_state_dict(); implement it to resume")
+        cfg = self.config
+        expected = {"global_world_size": cfg.global_world_size, "num_writers": cfg.num_writers,
+                    "global_rank": cfg.global_rank}  # fmt: skip
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"load_state_dict: the checkpoint has {key}={state.get(key)!r} but this loader has {value!r}; "
+                    "resume with the same world size and num_writers, and load each rank's own state"
+                )
+        self._sup.dataset_states = list(state["writers"])
+        for child in self._sup.writers():
+            child.channel.send(("load_state", state["writers"][child.index]))
+
+    def child_pids(self) -> dict[str, list[int]]:
+        """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``)."""
+        sup = self._sup
+        found: dict[str, list[int]] = {"zygote": [sup.zygote.pid], "writer": [], "reader": []}
+        for child in sup.children:
+            if child.alive and child.pid is not None:
+                found[child.role].append(child.pid)
+        return found
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        """Every process of this queue on this node as registered in Redis (role, rank, pid, owner, attach)."""
+        return self._sup.session.store.processes()
+
+    def wait_started(self, timeout_s: float = 120.0) -> None:
+        """Block until every child has a pid (spawned by the zygote); mostly for tests and tools."""
+        deadline = time.monotonic() + timeout_s
+        while any(c.pid is None for c in self._sup.children if c.alive):
+            if time.monotonic() > deadline:
+                raise GigashuffleError(f"loader processes did not start within {timeout_s}s")
+            self._sup.pump()
+
+    def redis_client(self) -> Client:
+        return self._sup.client
+
+    @property
+    def closed(self) -> bool:
+        return self._sup.closed
+
+    def _check_open(self) -> None:
+        if self._sup.closed:
+            raise GigashuffleError(f"the loader of queue {self.config.queue_name!r} is closed")
+        self._sup.raise_if_failed()
+
+    def close(self) -> None:
+        """Stop every loader process and free every resource; calling it again does nothing."""
+        self._finalizer()
+
+    def __enter__(self) -> MultiprocessShuffledDataloader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

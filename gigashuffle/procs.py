@@ -1,0 +1,109 @@
+"""The trainer's view of its children: a zygote handle that spawns them and reports how they ended."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.spawn
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from .buffer import BatchRing
+from .channel import Channel, ChannelClosed
+from .errors import GigashuffleError
+
+log = logging.getLogger(__name__)
+
+_ZYGOTE_EXIT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ChildProcess:
+    """One writer or reader, as the trainer tracks it."""
+
+    role: str
+    index: int
+    seq: int
+    channel: Channel
+    restarts: int = 0
+    pid: int | None = None
+    proc_id: str = ""
+    exitcode: int | None = None
+    error_type: str = ""
+    traceback_text: str = ""
+    ring: BatchRing | None = None
+    held: int = 0  # batches of this child's ring that the caller still holds
+
+    @property
+    def alive(self) -> bool:
+        return self.exitcode is None
+
+
+class Zygote:
+    """Starts the zygote process and asks it for children (see NOTE [ Why a zygote ] in ``zygote.py``).
+
+    Nothing here waits for the zygote: spawn requests queue up in the channel while it imports torch, and its
+    replies (``ready``, ``spawned``, ``exited``) are read by whoever polls ``events()``.
+    """
+
+    def __init__(self, title: str) -> None:
+        ours, theirs = Channel.pair()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gigashuffle.zygote", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        theirs.close()
+        self.channel = ours
+        self.pid = self._proc.pid
+        self._next_seq = 0
+        preparation = multiprocessing.spawn.get_preparation_data("gigashuffle-zygote")
+        preparation.pop("authkey", None)  # multiprocessing's key is not needed and should not travel
+        preparation["gigashuffle_title"] = title
+        ours.send(preparation)
+
+    def spawn(self, payload: bytes, title: str) -> tuple[int, Channel]:
+        """Ask for a child running ``workers.child_main(payload)``; returns a request number and its channel.
+
+        The child's pid arrives later as ``("spawned", seq, pid)`` from ``events()``.
+        """
+        ours, theirs = Channel.pair()
+        seq = self._next_seq
+        self._next_seq += 1
+        try:
+            self.channel.send(("spawn", seq, payload, title), (theirs.fileno(),))
+        finally:
+            theirs.close()
+        return seq, ours
+
+    def events(self) -> list[tuple[object, ...]]:
+        """Messages the zygote sent since the last call; raises if the zygote itself died."""
+        found = []
+        try:
+            while self.channel.poll(0):
+                message, _ = self.channel.recv()
+                found.append(tuple(message))
+        except (ChannelClosed, ConnectionError):
+            code = self._proc.wait()
+            raise GigashuffleError(
+                f"the gigashuffle zygote (pid {self.pid}) exited with code {code}; every loader process is gone "
+                "(see its output above)"
+            ) from None
+        return found
+
+    def close(self) -> None:
+        """Kill every child and the zygote; safe to call twice."""
+        if self._proc.returncode is not None:
+            return
+        self.channel.close()
+        try:
+            self._proc.wait(_ZYGOTE_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("gigashuffle zygote %d did not exit; killing it", self.pid)
+            self._proc.kill()
+            self._proc.wait()

@@ -1,0 +1,105 @@
+"""A trainer's membership in its node's queue session: the rank claim, its heartbeat, and leaving.
+
+NOTE [ Node sessions ]
+Each trainer claims ``rank:<global_rank>`` with a token and a TTL that a heartbeat thread extends. The first
+trainer of a node to claim while no other rank of the node holds a claim starts a new session: it wipes what
+a dead earlier session left in Redis and sets a fresh random generation, which every child then quotes. A claim
+held by a live trainer is refused (``QueueInUseError``); one whose holder is a dead process on this host is
+dropped at once, so a restarted job does not wait for the TTL. The last trainer to leave deletes every key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from .config import DataloaderConfig
+from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError
+from .keys import QueueKeys
+from .redisconn import Client
+from .runtime import pid_alive
+from .slots import SlotStore
+
+log = logging.getLogger(__name__)
+
+LEASE_MS = 10_000
+HEARTBEAT_S = 1.0
+_SHARED_FIELDS = ("bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size")
+
+
+def shared_conf(config: DataloaderConfig) -> str:
+    """The settings every rank of a node must agree on, as JSON."""
+    return json.dumps({name: getattr(config, name) for name in _SHARED_FIELDS}, sort_keys=True)
+
+
+class NodeSession:
+    """Joins the node's session on construction; ``leave()`` (idempotent) ends this trainer's part."""
+
+    def __init__(self, client: Client, config: DataloaderConfig) -> None:
+        self.config = config
+        self.store = SlotStore(client, QueueKeys(config.queue_name, config.node))
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        first = config.global_rank - config.local_rank
+        self.other_ranks = [r for r in range(first, first + config.local_world_size) if r != config.global_rank]
+        self.lost: Exception | None = None
+        self._stop = threading.Event()
+        self._join()
+        self._thread = threading.Thread(target=self._beat, name="gigashuffle-heartbeat", daemon=True)
+        self._thread.start()
+
+    @property
+    def generation(self) -> str:
+        return self.store.generation
+
+    def _join(self) -> None:
+        cfg = self.config
+        for _attempt in range(2):
+            result = self.store.join(
+                cfg.global_rank, self.other_ranks, self.token, LEASE_MS, shared_conf(cfg), uuid.uuid4().hex
+            )
+            if not isinstance(result, str):
+                break
+            if not self._holder_is_dead(result):
+                raise QueueInUseError(
+                    f"queue_name={cfg.queue_name!r} global_rank={cfg.global_rank} on node {cfg.node!r} is held by "
+                    f"another live trainer ({result}); give this loader another queue_name or stop that job"
+                )
+            log.info("dropping the claim of dead trainer %s on %s", result, cfg.queue_name)
+            self.store.drop_stale_claim(cfg.global_rank, result)
+        else:
+            raise QueueInUseError(f"could not claim rank {cfg.global_rank} of {cfg.queue_name!r}: {result}")
+        if result.conf != shared_conf(cfg):
+            self.store.release_rank(cfg.global_rank, self.other_ranks, self.token)
+            raise ConfigMismatchError(
+                f"queue_name={cfg.queue_name!r} on node {cfg.node!r} already runs with {result.conf}, but this rank "
+                f"was configured with {shared_conf(cfg)}; every rank of a node must use the same settings"
+            )
+
+    @staticmethod
+    def _holder_is_dead(holder: str) -> bool:
+        host, _, rest = holder.partition(":")
+        pid_text = rest.partition(":")[0]
+        return host == socket.gethostname() and pid_text.isdigit() and not pid_alive(int(pid_text))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                alive = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS)
+            except GigashuffleError as exc:
+                self.lost = exc
+                return
+            if not alive:
+                self.lost = GigashuffleError("the queue's session in Redis is gone")
+                return
+
+    def leave(self) -> bool:
+        """Stop the heartbeat and drop the claim; True if this was the node's last trainer (keys deleted)."""
+        if self._stop.is_set():
+            return False
+        self._stop.set()
+        self._thread.join()
+        return self.store.release_rank(self.config.global_rank, self.other_ranks, self.token)

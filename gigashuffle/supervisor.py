@@ -1,0 +1,253 @@
+"""The trainer's supervisor: spawns the children, reads their messages, notices deaths, and tears down.
+
+NOTE [ Supervision ]
+The trainer never blocks on one thing: every wait is a ``select`` over the zygote's channel and every child's
+channel with a timeout of at most ``_PUMP_S``, so a child's death (reported by the zygote with its exit status)
+or a lost Redis session is seen within about a second even while the trainer waits for a batch. A child that
+raised sends ``("error", type, traceback)`` before exiting; the trainer raises that text in a ``WorkerDied``.
+A dead child's Redis lease is reclaimed at once, and with ``max_restarts`` left it is spawned again.
+``shutdown()`` is idempotent and is also the loader's ``weakref.finalize`` callback, so it must not refer to
+the loader object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import embedded
+from .buffer import BatchRing, SharedMemory
+from .channel import ChannelClosed
+from .config import DataloaderConfig
+from .errors import GigashuffleError, QueueStateLostError, WorkerDied
+from .procs import ChildProcess, Zygote
+from .redisconn import Client
+from .runtime import attach_socket_path, remove_socket
+from .schema import Layout
+from .session import NodeSession
+from .workers import ChildSpec, proc_name
+
+log = logging.getLogger(__name__)
+
+_PUMP_S = 0.25
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: DataloaderConfig,
+        dataset: Any,
+        client: Client,
+        redis_url: str,
+        server: embedded.EmbeddedServer | None,
+        session: NodeSession,
+        runtime_dir: str,
+    ) -> None:
+        self.config = config
+        self.dataset = dataset
+        self.client = client
+        self.redis_url = redis_url
+        self.server = server
+        self.session = session
+        self.runtime_dir = runtime_dir
+        self.runtime_path = Path(runtime_dir)
+        self.children: list[ChildProcess] = []
+        self.ready: deque[tuple[ChildProcess, int]] = deque()
+        self.to_free: deque[tuple[ChildProcess, int]] = deque()  # appended by batch finalizers
+        self.replies: dict[tuple[str, int], Any] = {}
+        self.failure: BaseException | None = None
+        self.closed = False
+        self.context: tuple[bool, Any] = (False, None)
+        self.dataset_states: list[Any] | None = None
+        q = config.queue_name
+        self.zygote = Zygote(f"gigashuffle zygote {q} rank={config.global_rank}")
+        for role, count in (("writer", config.num_writers), ("reader", config.num_readers)):
+            for index in range(count):
+                self.children.append(self._spawn(role, index, restarts=0))
+
+    # -- spawning --------------------------------------------------------------------------------------------
+    def _spec(self, role: str, index: int) -> bytes:
+        has_context, context = self.context
+        spec = ChildSpec(
+            role=role,
+            index=index,
+            config=self.config,
+            redis_url=self.redis_url,
+            generation=self.session.generation,
+            runtime_dir=self.runtime_dir,
+            dataset=self.dataset if role == "writer" else None,
+            context=context,
+            has_context=has_context,
+            dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
+        )
+        try:
+            return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"the dataset {type(self.dataset).__name__} (or the training context) cannot be pickled for "
+                f"the writer processes: {exc}; define it at module level and keep open files/sockets out of it "
+                "until __iter__"
+            ) from exc
+
+    def _spawn(self, role: str, index: int, restarts: int) -> ChildProcess:
+        cfg = self.config
+        title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
+        seq, channel = self.zygote.spawn(self._spec(role, index), title)
+        return ChildProcess(role, index, seq, channel, restarts)
+
+    # -- the message pump ------------------------------------------------------------------------------------
+    def pump(self, timeout: float = _PUMP_S) -> None:
+        """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message."""
+        self.raise_if_failed()
+        self._flush_frees()
+        live = [c for c in self.children if c.alive]
+        readable, _, _ = select.select([self.zygote.channel, *(c.channel for c in live)], [], [], timeout)
+        for child in live:
+            if child.channel in readable:
+                self._drain(child)
+        for event in self.zygote.events():
+            self._on_zygote_event(event)
+        if self.session.lost is not None and self.failure is None:
+            self.failure = QueueStateLostError(
+                f"queue {self.config.queue_name!r}: {self.session.lost}; Redis restarted without persistence, "
+                "was flushed, or is unreachable. Recreate the loader to start a new session."
+            )
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _drain(self, child: ChildProcess) -> None:
+        try:
+            while child.channel.poll(0):
+                message, fds = child.channel.recv()
+                self._on_message(child, message, fds)
+        except (ChannelClosed, ConnectionError):
+            return  # the zygote reports the exit status; the error text, if any, was read above
+
+    def _on_message(self, child: ChildProcess, message: tuple[Any, ...], fds: list[int]) -> None:
+        kind = message[0]
+        if kind == "batch":
+            self.ready.append((child, message[1]))
+        elif kind == "ring":
+            memory = SharedMemory(message[1], fds[0])
+            memory.close_fd()
+            child.ring = BatchRing(Layout.from_json(message[2]), self.config.bs, self.config.ring_depth, memory)
+        elif kind == "error":
+            child.error_type, child.traceback_text = message[1], message[2]
+        elif kind in ("state", "end"):
+            self.replies[(kind, message[2] if kind == "state" else 0)] = message
+        else:
+            log.warning("unexpected message %r from %s %d", kind, child.role, child.index)
+
+    def _on_zygote_event(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "spawned":
+            for child in self.children:
+                if child.seq == event[1] and child.pid is None:
+                    child.pid = int(event[2])
+                    child.proc_id = proc_name(self.config.global_rank, child.role, child.index, child.pid)
+        elif kind == "exited":
+            for child in self.children:
+                if child.pid == event[1] and child.alive:
+                    self._on_exit(child, int(event[2]))
+
+    def _on_exit(self, child: ChildProcess, exitcode: int) -> None:
+        self._drain(child)
+        child.exitcode = exitcode
+        child.channel.close()
+        if child.pid is not None:
+            remove_socket(attach_socket_path(child.pid, self.runtime_path))
+        if self.closed:
+            return
+        self._reclaim(child)
+        error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
+                           self.config.queue_name)  # fmt: skip
+        if child.error_type == "QueueStateLostError":
+            self.failure = QueueStateLostError(str(error))
+        elif child.restarts < self.config.max_restarts and not child.traceback_text:
+            log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
+            self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
+        elif self.failure is None:
+            self.failure = error
+
+    def _reclaim(self, child: ChildProcess) -> None:
+        if not child.proc_id:
+            return
+        try:
+            slots = self.session.store.reclaim(child.proc_id, child.role)
+        except GigashuffleError as exc:
+            log.warning("could not reclaim the slots of %s: %s", child.proc_id, exc)
+            return
+        log.debug("reclaimed %d slots of %s", slots, child.proc_id)
+
+    # -- batches ---------------------------------------------------------------------------------------------
+    def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
+        def release() -> None:
+            self.to_free.append((child, k))
+
+        return release
+
+    def _flush_frees(self) -> None:
+        while self.to_free:
+            child, k = self.to_free.popleft()
+            child.held -= 1
+            self.send_free(child, k)
+
+    def send_free(self, child: ChildProcess, k: int) -> None:
+        if not child.alive:
+            return
+        try:
+            child.channel.send(("free", k))
+        except OSError:
+            log.debug("%s %d is gone; its ring slot %d is not returned", child.role, child.index, k)
+
+    def writers(self) -> list[ChildProcess]:
+        return [c for c in self.children if c.role == "writer" and c.alive]
+
+    def readers(self) -> list[ChildProcess]:
+        return [c for c in self.children if c.role == "reader" and c.alive]
+
+    def send_to_writers(self, message: tuple[Any, ...]) -> None:
+        for child in self.writers():
+            try:
+                child.channel.send(message)
+            except OSError as exc:
+                log.debug("writer %d did not take %r: %s", child.index, message[0], exc)
+
+    # -- teardown --------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every child and release every resource; safe to call twice and from a finalizer."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for event in self.zygote.events():  # learn the pids of children spawned since the last pump
+                self._on_zygote_event(event)
+        except GigashuffleError as exc:
+            log.warning("%s", exc)
+        self.zygote.close()
+        for child in self.children:
+            if child.pid is not None:
+                remove_socket(attach_socket_path(child.pid, self.runtime_path))
+            if child.alive:
+                self._reclaim(child)
+            child.channel.close()
+            child.ring = None
+        self.ready.clear()
+        self.to_free.clear()
+        try:
+            self.session.leave()
+        except GigashuffleError as exc:
+            log.warning("could not leave the queue session cleanly: %s", exc)
+        self.client.close()
+        if self.server is not None:
+            embedded.release(self.server)
+        log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())

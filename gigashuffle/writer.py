@@ -1,0 +1,149 @@
+"""The writer loop: pull chunks from the dataset, copy their rows into empty slots, publish them.
+
+NOTE [ Writer cycle ]
+One round trip per chunk in steady state: the slots written for chunk ``i`` are published by the same script
+call that leases empty slots for chunk ``i + 1`` (``WRITER_CYCLE``), made once chunk ``i + 1`` is in hand. When
+fewer empty slots are free than the chunk has rows, the writer copies what fits and asks again, backing off from
+0.5 ms while nothing is free. Rows are copied with one ``index_copy_`` per field.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils import worker as torch_worker
+
+from .channel import Channel
+from .errors import SchemaError
+from .schema import Layout
+from .slots import SlotIds
+from .workers import Backoff, ChildEnv, ChildSpec
+
+log = logging.getLogger(__name__)
+
+_NO_SLOTS: SlotIds = np.empty(0, dtype=np.int32)
+
+
+class _Chunks:
+    """The dataset's chunks, forever: an ended iterator starts the next pass; too many empty ones is an error."""
+
+    def __init__(self, spec: ChildSpec) -> None:
+        self.dataset = spec.dataset
+        self.limit = spec.config.writer_max_retries
+        self._it: Iterator[Any] | None = None
+
+    def restart(self) -> None:
+        self._it = None
+
+    def next(self) -> Any:
+        empty = 0
+        while True:
+            if self._it is None:
+                self._it = iter(self.dataset)
+            try:
+                chunk = next(self._it)
+            except StopIteration:
+                self._it = None
+                chunk = None
+            if chunk is not None and not _is_empty(chunk):
+                return chunk
+            empty += 1
+            if empty > self.limit:
+                raise SchemaError(
+                    f"the dataset produced {empty} empty chunks or passes in a row (writer_max_retries="
+                    f"{self.limit}); make its __iter__ yield chunks with at least one row"
+                )
+
+
+def _is_empty(chunk: Any) -> bool:
+    try:
+        first = next(iter(chunk[0].values()))
+        return len(first) == 0
+    except (TypeError, IndexError, KeyError, StopIteration, AttributeError):
+        return False  # malformed: let the layout check explain what is wrong
+
+
+def _set_worker_info(spec: ChildSpec) -> int:
+    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job."""
+    cfg = spec.config
+    worker_id = cfg.global_rank * cfg.num_writers + spec.index
+    seed = worker_id
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id, num_workers=cfg.global_world_size * cfg.num_writers, seed=seed, dataset=spec.dataset
+    )
+    return worker_id
+
+
+def _handle_control(env: ChildEnv, chunks: _Chunks) -> None:
+    dataset = env.spec.dataset
+    while env.channel.poll(0):
+        message, _ = env.channel.recv()
+        kind = message[0]
+        if kind == "context":
+            dataset.context = message[1]
+        elif kind == "load_state":
+            dataset.load_state_dict(message[1])
+            chunks.restart()
+        elif kind == "state_dict":
+            env.channel.send(("state", message[1], env.spec.index, dataset.state_dict()))
+
+
+def run(spec: ChildSpec, channel: Channel) -> None:
+    _set_worker_info(spec)
+    if spec.has_context:
+        spec.dataset.context = spec.context
+    if spec.dataset_state is not None:
+        spec.dataset.load_state_dict(spec.dataset_state)
+    env = ChildEnv(spec, channel)
+    chunks = _Chunks(spec)
+    _handle_control(env, chunks)
+    chunk = chunks.next()
+    layout = Layout.from_chunk(chunk)
+    if env.store.meta().get("layout") is None:
+        _rows, as_bytes = layout.rows_in(chunk)
+        first_row = b"".join(field[0].numpy().tobytes() for field in as_bytes)
+        if not env.publish_buffer(layout, first_row):
+            env.attach_buffer()
+    else:
+        env.attach_buffer()
+    published, _meta = env.read_meta()
+    if published != layout:
+        raise SchemaError(
+            f"this writer's chunks have layout [{layout.describe()}] but the buffer of queue "
+            f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
+            "must yield the same fields, dtypes and row shapes"
+        )
+    _write_forever(env, chunks, chunk, layout)
+
+
+def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
+    buffer = env.buffer
+    if buffer is None:
+        raise AssertionError("writer has no buffer after attach")
+    backoff = Backoff()
+    written = _NO_SLOTS
+    while True:
+        rows, as_bytes = layout.rows_in(chunk)
+        done = 0
+        while done < rows:
+            slots = env.store.writer_cycle(env.proc, written, rows - done)
+            written = _NO_SLOTS
+            if len(slots) == 0:
+                _handle_control(env, chunks)
+                backoff.sleep()
+                continue
+            backoff.reset()
+            use = slots[: rows - done]
+            buffer.write(torch.from_numpy(use.astype(np.int64)), as_bytes, done)
+            written = use
+            done += len(use)
+        _handle_control(env, chunks)
+        chunk = chunks.next()

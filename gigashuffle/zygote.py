@@ -1,0 +1,125 @@
+"""The zygote: a fresh interpreter per loader that imports torch once and forks the loader's children.
+
+NOTE [ Why a zygote ]
+Spawning each child costs a full interpreter start plus ``import torch`` (seconds, and ~160 MB of private
+memory per child). Forking the trainer is fast but unsafe once it has started CUDA or threads. The zygote is
+exec'ed fresh (so it is CUDA-safe), imports torch and the user's main module once, then forks each child from
+that clean state: start-up costs one interpreter start, and children share torch's pages copy-on-write.
+
+Lifetime: the zygote watches its channel to the trainer; when the trainer closes it or dies, the zygote kills
+its children and exits. Children get PR_SET_PDEATHSIG(SIGKILL) against the single-threaded zygote, so nothing
+outlives a SIGKILLed trainer by more than a poll interval. The zygote reports each child's exit status to the
+trainer, which owns all recovery decisions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing.spawn
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from .channel import Channel, ChannelClosed
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(expected_parent: int) -> None:
+    """Die with SIGKILL when the parent dies; exit now if it already has (the race before prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def _reap(trainer: Channel, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        trainer.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -> int:
+    zygote_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(control_fd)
+        return pid
+    code = 1
+    try:
+        set_parent_death_signal(zygote_pid)
+        trainer.close()  # the trainer must see EOF on the zygote's channel when the zygote dies
+        from . import workers
+
+        code = workers.child_main(payload, title, control_fd)
+    finally:
+        os._exit(code)
+
+
+def serve(trainer: Channel) -> None:
+    children: set[int] = set()
+    try:
+        while True:
+            _reap(trainer, children)
+            if not trainer.poll(_POLL_S):
+                continue
+            message, fds = trainer.recv()
+            if message[0] == "spawn":
+                _kind, seq, payload, title = message
+                pid = _fork_child(trainer, payload, title, fds[0])
+                children.add(pid)
+                trainer.send(("spawned", seq, pid))
+    except (ChannelClosed, ConnectionError):
+        pass  # the trainer closed us or died: take the children down with us
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    trainer = Channel(socket.socket(fileno=int(argv[0])))
+    preparation: dict[str, Any]
+    preparation, _ = trainer.recv()
+    title = preparation.pop("gigashuffle_title", "gigashuffle zygote")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        log.debug("setproctitle is not installed; process titles stay unchanged")
+    # Make the trainer's __main__ importable here, as multiprocessing's spawn does, so datasets defined in a
+    # training script unpickle; then import torch once for every child.
+    multiprocessing.spawn.prepare(preparation)
+    import torch  # noqa: F401
+
+    from . import workers  # noqa: F401
+
+    trainer.send(("ready", os.getpid()))
+    serve(trainer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
