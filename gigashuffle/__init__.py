@@ -1,5 +1,8 @@
 """gigashuffle: one node-wide shared-memory shuffle buffer for PyTorch training, coordinated through Redis."""
 
+import numpy as np
+import torch
+
 from .config import DataloaderConfig
 from .errors import (
     AttachError,
@@ -16,7 +19,7 @@ from .loader import MultiprocessShuffledDataloader
 from .schema import INDEX_KEY
 from .slots import ShuffleBufferStats
 
-Buffer = list[dict[str, "torch.Tensor | numpy.ndarray"]]
+Buffer = list[dict[str, torch.Tensor | np.ndarray]]
 """What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension."""
 
 __version__ = "0.1.0"

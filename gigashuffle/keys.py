@@ -72,7 +72,16 @@ class QueueKeys:
 
     def fixed(self) -> list[str]:
         """The keys every session has, whatever processes joined."""
-        return [self.gen, self.conf, self.meta, self.empty, self.full, self.reading, self.evict_pending, self.procs]
+        return [
+            self.gen,
+            self.conf,
+            self.meta,
+            self.empty,
+            self.full,
+            self.reading,
+            self.evict_pending,
+            self.procs,
+        ]
 
     @staticmethod
     def parse_tag(key: str) -> tuple[str, str] | None:

@@ -18,6 +18,7 @@ from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
 from .meta import verified_layout
+from .procs import ChildProcess
 from .redisconn import Client, connect
 from .runtime import node_secret, remove_stale_sockets, runtime_dir
 from .schema import INDEX_KEY
@@ -134,7 +135,7 @@ class MultiprocessShuffledDataloader:
             sup.pump()
         return self._deliver(*sup.ready.popleft())
 
-    def _deliver(self, child: Any, k: int) -> Batch:
+    def _deliver(self, child: ChildProcess, k: int) -> Batch:
         ring = child.ring
         if ring is None:
             raise AssertionError("a batch arrived before its reader's ring")

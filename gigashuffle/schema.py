@@ -114,8 +114,7 @@ class Layout:
         """Check ``chunk`` against this layout; return its row count and each field as ``uint8 [rows, bytes]``."""
         groups = _check_groups(chunk)
         if len(groups) != self.num_groups or any(
-            sorted(groups[f.group]) != sorted(k.key for k in self.fields if k.group == f.group)
-            for f in self.fields
+            sorted(groups[f.group]) != sorted(k.key for k in self.fields if k.group == f.group) for f in self.fields
         ):
             raise SchemaError(
                 "a chunk's fields differ from the first chunk's: expected "
@@ -145,9 +144,7 @@ class Layout:
 
 def _check_groups(chunk: object) -> Sequence[dict[str, Any]]:
     if not isinstance(chunk, (list, tuple)) or not chunk:
-        raise SchemaError(
-            f"a dataset chunk must be a non-empty list of dicts of tensors, got {type(chunk).__name__}"
-        )
+        raise SchemaError(f"a dataset chunk must be a non-empty list of dicts of tensors, got {type(chunk).__name__}")
     for g, group in enumerate(chunk):
         if not isinstance(group, dict) or not group:
             raise SchemaError(f"chunk[{g}] must be a non-empty dict of tensors, got {type(group).__name__}")

@@ -24,6 +24,11 @@ def pack(slot_ids: npt.ArrayLike) -> bytes:
     return np.asarray(slot_ids, dtype="<i4").tobytes()
 
 
+def text(value: bytes | str) -> str:
+    """redis-py returns bytes from our clients; accept str too (a client made with decode_responses)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def unpack(data: bytes) -> SlotIds:
     return np.frombuffer(data, dtype="<i4").astype(np.int32) if data else _NO_SLOTS
 
@@ -76,9 +81,7 @@ class SlotStore:
 
     def writer_cycle(self, proc: str, written: SlotIds, want: int) -> SlotIds:
         k = self.keys
-        reply = self._run(
-            self._writer, [k.gen, k.empty, k.full, k.lease(proc)], [self.generation, pack(written), want]
-        )
+        reply = self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc)], [self.generation, pack(written), want])
         return unpack(reply)
 
     # -- readers ---------------------------------------------------------------------------------------------
@@ -109,7 +112,7 @@ class SlotStore:
     def processes(self) -> dict[str, dict[str, Any]]:
         with translate_errors():
             raw = self.client.hgetall(self.keys.procs)
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {text(k): json.loads(v) for k, v in raw.items()}
 
     def stats(self) -> tuple[bytes | None, int, int, int]:
         k = self.keys
@@ -119,18 +122,18 @@ class SlotStore:
     def meta(self) -> dict[str, bytes]:
         with translate_errors():
             raw = self.client.hgetall(self.keys.meta)
-        return {k.decode(): v for k, v in raw.items()}
+        return {text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
 
     # -- trainers --------------------------------------------------------------------------------------------
     def _session_keys(self) -> list[str]:
         with translate_errors():
-            procs = [p.decode() for p in self.client.hkeys(self.keys.procs)]
+            procs = [text(p) for p in self.client.hkeys(self.keys.procs)]
         fixed = [key for key in self.keys.fixed() if key not in (self.keys.gen, self.keys.conf)]
         return fixed + [self.keys.lease(p) for p in procs]
 
-    def join(self, rank: int, other_ranks: list[int], token: str, lease_ms: int, conf: str, new_gen: str) -> (
-        JoinResult | str
-    ):
+    def join(
+        self, rank: int, other_ranks: list[int], token: str, lease_ms: int, conf: str, new_gen: str
+    ) -> JoinResult | str:
         """Claim ``rank``; returns the session, or the holder's token when a live trainer holds the rank."""
         k = self.keys
         keys = [k.gen, k.conf, k.rank(rank), *(k.rank(r) for r in other_ranks), *self._session_keys()]
