@@ -43,7 +43,7 @@ class DataloaderConfig:
     redis_host: str | None = None
     redis_port: int | None = None
     redis_db: int | None = None
-    max_restarts: int = 0
+    max_restarts: int = 3
     ring_depth: int = 4
     node_id: str | None = None
     redis_timeout_s: float = 30.0
@@ -139,8 +139,6 @@ class DataloaderConfig:
             raise _fail("num_readers", self.num_readers, "fill_once=True yields one ordered pass: use 1")
         if self.min_mixing != 1:
             raise _fail("min_mixing", self.min_mixing, "fill_once=True waits for a full buffer: use 1")
-        if self.max_restarts:
-            raise _fail("max_restarts", self.max_restarts, "fill_once=True cannot refill a slot: use 0")
 
     def _check_capacity(self) -> None:
         need = self.bs * self.local_world_size

@@ -172,11 +172,17 @@ class Supervisor:
                            self.config.queue_name)  # fmt: skip
         if child.error_type == "QueueStateLostError":
             self.failure = QueueStateLostError(str(error))
-        elif child.restarts < self.config.max_restarts and not child.traceback_text:
+        elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
+
+    def _restart_budget(self, child: ChildProcess) -> int:
+        # A fill_once reader dies mid-pass with state the trainer cannot replay; fail instead of restarting it.
+        if self.config.fill_once and child.role == "reader":
+            return 0
+        return self.config.max_restarts
 
     def _reclaim(self, child: ChildProcess) -> None:
         if not child.proc_id:

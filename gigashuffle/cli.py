@@ -1,0 +1,102 @@
+"""The ``gigashuffle`` command: ``demo``, ``stats`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .keys import META_PATTERN, QueueKeys
+from .redisconn import Client, connect
+from .runtime import runtime_dir
+from .slots import SlotStore, text
+
+
+def _scan(client: Client, pattern: str) -> list[str]:
+    # A cluster client's scan_iter visits every primary, so queues on every shard are listed.
+    return sorted({text(k) for k in client.scan_iter(match=pattern, count=1000)})
+
+
+def queue_rows(client: Client) -> list[dict[str, Any]]:
+    """One row per queue and node found on the server."""
+    rows = []
+    for meta_key in _scan(client, META_PATTERN):
+        parsed = QueueKeys.parse_tag(meta_key)
+        if parsed is None:
+            continue
+        keys = QueueKeys(*parsed)
+        store = SlotStore(client, keys)
+        gen, full, empty, procs = store.stats()
+        size = int(store.meta().get("slots", b"0"))
+        ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
+        rows.append(
+            {
+                "queue": keys.queue,
+                "node": keys.node,
+                "size": size,
+                "full": full,
+                "empty": empty,
+                "in_flight": max(size - full - empty, 0),
+                "ranks": ranks,
+                "processes": procs,
+                "generation": text(gen) if gen else "",
+            }
+        )
+    return rows
+
+
+def _default_url() -> str:
+    url = os.environ.get("GIGASHUFFLE_REDIS_URL")
+    if url:
+        return url
+    return f"unix://{runtime_dir() / 'redis-n0.sock'}"
+
+
+def stats_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gigashuffle stats", description="List every queue on a Redis server.")
+    parser.add_argument("--redis-url", default=None, help="default: $GIGASHUFFLE_REDIS_URL or this node's embedded")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    client = connect(args.redis_url or _default_url(), total_timeout_s=5.0)
+    try:
+        rows = queue_rows(client)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    columns = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "generation"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
+    if not rows:
+        print("(no gigashuffle queues on this server)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = {"demo": "run a real loader on the embedded Redis and report", "stats": "list queues",
+                "bench": "loader vs copy floor vs DataLoader"}  # fmt: skip
+    if not args or args[0] not in commands:
+        usage = "\n".join(f"  {name:<6} {text_}" for name, text_ in commands.items())
+        print(f"usage: gigashuffle <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
+        return 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from .bench.runner import main as bench_main
+
+        return bench_main(rest)
+    return stats_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
