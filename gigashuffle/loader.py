@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
 _REPLY_TIMEOUT_S = 60.0
+_SLOW_WARNING_S = 60.0
 
 
 def resolve_redis_url(config: DataloaderConfig) -> tuple[str, embedded.EmbeddedServer | None]:
@@ -131,8 +132,17 @@ class MultiprocessShuffledDataloader:
     def _next_batch(self) -> Batch:
         sup = self._sup
         self._check_open()
+        waited_since = time.monotonic()
+        next_warning = waited_since + _SLOW_WARNING_S
         while not sup.ready:
             sup.pump()
+            if time.monotonic() > next_warning:
+                # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
+                log.warning(
+                    "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)",
+                    self.config.queue_name, time.monotonic() - waited_since, self.stats(), self.config.min_full_slots,
+                )  # fmt: skip
+                next_warning += _SLOW_WARNING_S
         return self._deliver(*sup.ready.popleft())
 
     def _deliver(self, child: ChildProcess, k: int) -> Batch:
