@@ -1,0 +1,217 @@
+"""Leak accounting for tests: what a test left behind that outlives the objects it created.
+
+A shuffle buffer spread over processes, shared memory and Redis leaks in ways no Python object graph shows:
+a never-unlinked ``/dev/shm`` segment survives the job, a reader process outlives its loader, a slot key
+stays in Redis. Tests take a :func:`snapshot` before, tear down, then call :func:`assert_no_leaks`.
+
+``/dev/shm`` is shared by every process on the machine, including other xdist workers, so tests running in
+parallel should pass ``shm_pattern`` naming only their own segments (e.g. a glob on a unique queue name).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import stat
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import psutil
+from redis_servers import managed_pids
+
+SHM_DIR = Path("/dev/shm")
+_SEM_PREFIX = "sem."
+# Per-interpreter singletons that multiprocessing starts on first use and keeps until exit: they are not a
+# test's leak, and counting them would fail whichever test happened to start them first.
+_SINGLETON_HELPERS = (
+    "from multiprocessing.resource_tracker import main",
+    "from multiprocessing.forkserver import main",
+)
+
+
+@dataclass(frozen=True, order=True)
+class ChildProcess:
+    """A live descendant process; identity is (pid, start time) so a recycled pid is a different process."""
+
+    pid: int
+    create_time: float
+    cmdline: str = field(compare=False)
+
+    def __str__(self) -> str:
+        return f"pid {self.pid}: {self.cmdline}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Resources visible at one moment; every field is a set so that :func:`diff` is set difference."""
+
+    shm: frozenset[str] = frozenset()
+    semaphores: frozenset[str] = frozenset()
+    fds: frozenset[tuple[int, str]] = frozenset()
+    children: frozenset[ChildProcess] = frozenset()
+    sockets: frozenset[str] = frozenset()
+    redis_keys: frozenset[str] = frozenset()
+
+
+def _shm_entries(shm_pattern: str) -> tuple[frozenset[str], frozenset[str]]:
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:  # not Linux
+        return frozenset(), frozenset()
+    shm, sems = set(), set()
+    for name in names:
+        if name.startswith(_SEM_PREFIX):
+            # Match semaphores without their "sem." prefix, so one pattern covers a library's segments
+            # and semaphores that share a name prefix.
+            if fnmatch.fnmatchcase(name[len(_SEM_PREFIX) :], shm_pattern):
+                sems.add(name)
+        elif fnmatch.fnmatchcase(name, shm_pattern):
+            shm.add(name)
+    return frozenset(shm), frozenset(sems)
+
+
+def _singleton_fds() -> set[int]:
+    # The pipe to the resource tracker and the fork server's liveness pipe belong to those singletons and live
+    # as long as they do. Private attributes, hence getattr with defaults: a rename only costs precision.
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    forkserver = getattr(multiprocessing.forkserver, "_forkserver", None)
+    fds = {getattr(tracker, "_fd", None), getattr(forkserver, "_forkserver_alive_fd", None)}
+    return {fd for fd in fds if isinstance(fd, int)}
+
+
+def _open_fds() -> frozenset[tuple[int, str]]:
+    fd_dir = "/proc/self/fd"
+    skip = _singleton_fds()
+    found = set()
+    for name in os.listdir(fd_dir):
+        if int(name) in skip:
+            continue
+        try:
+            found.add((int(name), os.readlink(f"{fd_dir}/{name}")))
+        except OSError:  # the fd listdir itself used, already closed again
+            continue
+    return frozenset(found)
+
+
+def _children() -> frozenset[ChildProcess]:
+    servers = managed_pids()
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.pid in servers or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.cmdline()) or proc.name()
+            if any(helper in cmdline for helper in _SINGLETON_HELPERS):
+                continue
+            found.add(ChildProcess(proc.pid, proc.create_time(), cmdline))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):  # exited while we looked: not live
+            continue
+    return frozenset(found)
+
+
+def _socket_files(runtime_dir: str | os.PathLike[str]) -> frozenset[str]:
+    found = set()
+    for dirpath, _dirnames, filenames in os.walk(runtime_dir):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    found.add(path)
+            except FileNotFoundError:
+                continue
+    return frozenset(found)
+
+
+def _redis_keys(client: Any, pattern: str) -> frozenset[str]:
+    # SCAN rather than KEYS: it does not block the server, and redis-py's cluster client runs it on every
+    # primary, so the same call covers a single server and a cluster.
+    keys = client.scan_iter(match=pattern, count=1000)
+    return frozenset(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+
+
+def snapshot(
+    redis_client: Any = None,
+    key_pattern: str | None = None,
+    runtime_dir: str | os.PathLike[str] | None = None,
+    *,
+    shm_pattern: str = "*",
+) -> Snapshot:
+    """Capture shm segments, semaphores, this process's fds, live descendants, runtime sockets, Redis keys.
+
+    ``redis_client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster``; ``key_pattern`` (a SCAN glob,
+    default ``*``) limits the keys. Fixture-managed Redis servers, multiprocessing's resource tracker and
+    fork server (processes and their pipes) are not counted; neither are zombies, which are not live.
+    """
+    if key_pattern is not None and redis_client is None:
+        raise ValueError("key_pattern needs a redis_client")
+    # Redis first: its SCAN may open the client's first connection, which must then already be in the fd
+    # listing, or the next snapshot would report the client's own socket as a leak.
+    keys = _redis_keys(redis_client, key_pattern or "*") if redis_client is not None else frozenset()
+    shm, sems = _shm_entries(shm_pattern)
+    return Snapshot(
+        shm=shm,
+        semaphores=sems,
+        fds=_open_fds(),
+        children=_children(),
+        sockets=_socket_files(runtime_dir) if runtime_dir is not None else frozenset(),
+        redis_keys=keys,
+    )
+
+
+def diff(before: Snapshot, after: Snapshot) -> dict[str, list[Any]]:
+    """What ``after`` has that ``before`` had not, by category; categories with nothing new are omitted."""
+    new: dict[str, list[Any]] = {}
+    for f in fields(Snapshot):
+        added = getattr(after, f.name) - getattr(before, f.name)
+        if added:
+            new[f.name] = sorted(added)
+    return new
+
+
+def _describe(item: Any) -> str:
+    if isinstance(item, tuple) and len(item) == 2:
+        return f"fd {item[0]} -> {item[1]}"
+    return str(item)
+
+
+def format_leaks(leaked: Mapping[str, Iterable[Any]]) -> str:
+    """Human-readable listing of a :func:`diff` result, one item per line under its category."""
+    lines = []
+    for category, items in leaked.items():
+        described = [_describe(item) for item in items]
+        lines.append(f"  {category} ({len(described)}):")
+        lines.extend(f"    - {d}" for d in described)
+    return "\n".join(lines)
+
+
+def assert_no_leaks(
+    before: Snapshot,
+    deadline_s: float = 5.0,
+    *,
+    redis_client: Any = None,
+    key_pattern: str | None = None,
+    runtime_dir: str | os.PathLike[str] | None = None,
+    shm_pattern: str = "*",
+    poll_interval_s: float = 0.05,
+) -> None:
+    """Poll until nothing is new relative to ``before``; at the deadline raise AssertionError listing leaks.
+
+    Pass the same arguments as to :func:`snapshot`. The grace period lets processes that are already exiting
+    finish, and asynchronous cleanup (a worker unlinking its segment on the way out) land.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        leaked = diff(
+            before,
+            snapshot(redis_client, key_pattern, runtime_dir, shm_pattern=shm_pattern),
+        )
+        if not leaked:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"leaked after {deadline_s:.1f} s grace:\n{format_leaks(leaked)}")
+        time.sleep(poll_interval_s)
