@@ -18,7 +18,7 @@ import threading
 import uuid
 
 from .config import DataloaderConfig
-from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError
+from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError, QueueStateLostError
 from .keys import QueueKeys
 from .redisconn import Client
 from .runtime import pid_alive
@@ -46,10 +46,9 @@ class NodeSession:
         first = config.global_rank - config.local_rank
         self.other_ranks = [r for r in range(first, first + config.local_world_size) if r != config.global_rank]
         self.lost: Exception | None = None
-        self._stop = threading.Event()
+        self._left = False
         self._join()
-        self._thread = threading.Thread(target=self._beat, name="gigashuffle-heartbeat", daemon=True)
-        self._thread.start()
+        self._start_heartbeat()
 
     @property
     def generation(self) -> str:
@@ -85,6 +84,22 @@ class NodeSession:
         pid_text = rest.partition(":")[0]
         return host == socket.gethostname() and pid_text.isdigit() and not pid_alive(int(pid_text))
 
+    def _start_heartbeat(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="gigashuffle-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def rejoin(self) -> None:
+        """Join again after the session was lost (a Redis restart): a new generation if no rank holds one."""
+        self.stop_heartbeat()
+        self.lost = None
+        self._join()
+        self._start_heartbeat()
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
@@ -93,13 +108,13 @@ class NodeSession:
                 self.lost = exc
                 return
             if not alive:
-                self.lost = GigashuffleError("the queue's session in Redis is gone")
+                self.lost = QueueStateLostError("the queue's session in Redis is gone")
                 return
 
     def leave(self) -> bool:
         """Stop the heartbeat and drop the claim; True if this was the node's last trainer (keys deleted)."""
-        if self._stop.is_set():
+        if self._left:
             return False
-        self._stop.set()
-        self._thread.join()
+        self._left = True
+        self.stop_heartbeat()
         return self.store.release_rank(self.config.global_rank, self.other_ranks, self.token)

@@ -6,6 +6,9 @@ channel with a timeout of at most ``_PUMP_S``, so a child's death (reported by t
 or a lost Redis session is seen within about a second even while the trainer waits for a batch. A child that
 raised sends ``("error", type, traceback)`` before exiting; the trainer raises that text in a ``WorkerDied``.
 A dead child's Redis lease is reclaimed at once, and with ``max_restarts`` left it is spawned again.
+When the session itself is lost (Redis restarted without persistence, or was flushed: the heartbeat or a child
+finds the generation gone), the trainer kills its children, joins again (the first rank of the node back starts a
+new generation, the others join it) and spawns them afresh; batches already announced stay valid.
 ``shutdown()`` is idempotent and is also the loader's ``weakref.finalize`` callback, so it must not refer to
 the loader object.
 """
@@ -65,9 +68,13 @@ class Supervisor:
         self.closed = False
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
-        q = config.queue_name
-        self.zygote = Zygote(f"gigashuffle zygote {q} rank={config.global_rank}")
-        for role, count in (("writer", config.num_writers), ("reader", config.num_readers)):
+        self.session_restarts = 0
+        self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
+        self.zygote = Zygote(self._zygote_title)
+        self._spawn_all()
+
+    def _spawn_all(self) -> None:
+        for role, count in (("writer", self.config.num_writers), ("reader", self.config.num_readers)):
             for index in range(count):
                 self.children.append(self._spawn(role, index, restarts=0))
 
@@ -114,10 +121,7 @@ class Supervisor:
         for event in self.zygote.events():
             self._on_zygote_event(event)
         if self.session.lost is not None and self.failure is None:
-            self.failure = QueueStateLostError(
-                f"queue {self.config.queue_name!r}: {self.session.lost}; Redis restarted without persistence, "
-                "was flushed, or is unreachable. Recreate the loader to start a new session."
-            )
+            self._restart_session(self.session.lost)
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -171,12 +175,48 @@ class Supervisor:
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
         if child.error_type == "QueueStateLostError":
-            self.failure = QueueStateLostError(str(error))
+            self._restart_session(QueueStateLostError(str(error)))
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
+
+    def _restart_session(self, reason: BaseException) -> None:
+        """Start over under a new generation after Redis lost the queue's state (see NOTE [ Supervision ])."""
+        if isinstance(reason, QueueStateLostError) and self.session_restarts < self.config.max_restarts:
+            self.session_restarts += 1
+            log.warning(
+                "queue %r lost its Redis state (%s); restarting its processes under a new session (%d of %d)",
+                self.config.queue_name, str(reason).splitlines()[0], self.session_restarts, self.config.max_restarts,
+            )  # fmt: skip
+            try:
+                self._stop_children()
+                self.session.rejoin()
+                self.zygote = Zygote(self._zygote_title)
+                self._spawn_all()
+                return
+            except GigashuffleError as exc:
+                reason = exc
+        self.failure = QueueStateLostError(
+            f"queue {self.config.queue_name!r}: {reason}. Redis restarted without persistence, was flushed, or is "
+            "unreachable, and the restart budget (max_restarts) is spent; recreate the loader."
+        )
+
+    def _stop_children(self) -> None:
+        """Kill every child (through the zygote) and forget them; batches already announced stay deliverable."""
+        try:
+            for event in self.zygote.events():  # learn the pids of children spawned since the last pump
+                self._on_zygote_event(event)
+        except GigashuffleError as exc:
+            log.warning("%s", exc)
+        self.zygote.close()
+        for child in self.children:
+            if child.pid is not None:
+                remove_socket(attach_socket_path(child.pid, self.runtime_path))
+            if child.alive:
+                child.exitcode = -9
+                child.channel.close()
 
     def _restart_budget(self, child: ChildProcess) -> int:
         # A fill_once reader dies mid-pass with state the trainer cannot replay; fail instead of restarting it.
@@ -234,18 +274,11 @@ class Supervisor:
         if self.closed:
             return
         self.closed = True
-        try:
-            for event in self.zygote.events():  # learn the pids of children spawned since the last pump
-                self._on_zygote_event(event)
-        except GigashuffleError as exc:
-            log.warning("%s", exc)
-        self.zygote.close()
+        live = [c for c in self.children if c.alive]
+        self._stop_children()
+        for child in live:
+            self._reclaim(child)
         for child in self.children:
-            if child.pid is not None:
-                remove_socket(attach_socket_path(child.pid, self.runtime_path))
-            if child.alive:
-                self._reclaim(child)
-            child.channel.close()
             child.ring = None
         self.ready.clear()
         self.to_free.clear()

@@ -56,9 +56,7 @@ class Rate:
         }
 
 
-def timed_batches(
-    step: Callable[[], int], seconds: float, row_bytes: int, max_batches: int | None = None
-) -> Rate:
+def timed_batches(step: Callable[[], int], seconds: float, row_bytes: int, max_batches: int | None = None) -> Rate:
     """Call ``step`` (which returns the rows of the batch it produced) until ``seconds`` or ``max_batches``.
 
     At least one batch is always timed, so a slow implementation still gets a figure.
@@ -85,17 +83,13 @@ class CopyFloor:
         self._gen = torch.Generator().manual_seed(seed)
 
     def step(self) -> int:
-        torch.randint(
-            0, self.workload.shuffle_size, (self.workload.bs,), generator=self._gen, out=self._index
-        )
+        torch.randint(0, self.workload.shuffle_size, (self.workload.bs,), generator=self._gen, out=self._index)
         for name, src in self.source.items():
             torch.index_select(src, 0, self._index, out=self.out[name])
         return self.workload.bs
 
 
-def copy_floor(
-    workload: Workload, seconds: float, warmup_batches: int = 3, max_batches: int | None = None
-) -> Rate:
+def copy_floor(workload: Workload, seconds: float, warmup_batches: int = 3, max_batches: int | None = None) -> Rate:
     floor = CopyFloor(workload)
     for _ in range(warmup_batches):
         floor.step()

@@ -119,13 +119,9 @@ def duplicate_fraction(ids: IntArray) -> float:
     return 1.0 - np.unique(ids).size / ids.size
 
 
-def measure(
-    batches: Sequence[IntArray], shuffle_size: int, num_writers: int = 1, seed: int = 0
-) -> ShuffleQuality:
+def measure(batches: Sequence[IntArray], shuffle_size: int, num_writers: int = 1, seed: int = 0) -> ShuffleQuality:
     """All quality figures for the row ids of ``batches``, in the order they were read."""
-    ids = (
-        np.concatenate([np.asarray(b, dtype=np.int64) for b in batches]) if batches else np.zeros(0, np.int64)
-    )
+    ids = np.concatenate([np.asarray(b, dtype=np.int64) for b in batches]) if batches else np.zeros(0, np.int64)
     write_pos = write_positions(ids, num_writers)
     ideal = simulate_ideal_buffer(ids.size, shuffle_size, seed)
     displacement = mean_displacement(write_pos)

@@ -37,7 +37,7 @@ NUM_READERS = 1
 MIN_MIXING = 0.5
 DATALOADER_WORKERS = 2
 # Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
-WARMUP_CAP_S = 60.0
+WARMUP_CAP_S = 30.0
 MIB = 1 << 20
 
 
@@ -78,7 +78,7 @@ def _batch_ids(batch: list[dict[str, torch.Tensor]]) -> np.ndarray | None:
 def _warm_up(
     next_batch: Callable[[], int], full_slots: Callable[[], int], threshold: int, cap_s: float
 ) -> tuple[int, float, bool]:
-    """Read batches until the buffer has held ``threshold`` full slots once. Returns (batches, s, mixed)."""
+    """Read batches until ``threshold`` full slots were seen once. Returns (batches, seconds, mixed)."""
     start = time.perf_counter()
     batches = 0
     while full_slots() < threshold:
@@ -93,7 +93,7 @@ def _warm_up(
 def measure_loader(workload: Workload, seconds: float, redis_url: str | None = None) -> Result:
     """Start the loader on ``workload``, wait until it is mixed, then time ``seconds`` of batches."""
     # Imported here so the baselines and quality code work without the loader (and its imports).
-    from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: PLC0415
+    from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
     cfg = DataloaderConfig(
         bs=workload.bs,
@@ -120,10 +120,10 @@ def measure_loader(workload: Workload, seconds: float, redis_url: str | None = N
                 ids.append(batch_ids)
             return len(batch[0][next(iter(batch[0]))])
 
-        threshold = math.ceil(MIN_MIXING * workload.shuffle_size)
-        warm_batches, warm_s, mixed = _warm_up(
-            step, lambda: int(loader.stats().full), threshold, WARMUP_CAP_S
-        )
+        # A reader takes a batch the moment full slots reach the mixing threshold, so between batches an
+        # observer sees at most threshold - bs full slots: that is the sign the threshold was reached.
+        threshold = math.ceil(MIN_MIXING * workload.shuffle_size) - workload.bs
+        warm_batches, warm_s, mixed = _warm_up(step, lambda: int(loader.stats().full), threshold, WARMUP_CAP_S)
         client = loader.redis_client()
         calls_before = redis_command_calls(client)
         rate = timed_batches(step, seconds, workload.row_bytes)
@@ -214,9 +214,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _num(value: float | None, digits: int = 0) -> str:
-    return (
-        "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
-    )
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
 
 
 def _times(value: float | None) -> str:
@@ -236,9 +234,7 @@ def _throughput_table(results: Sequence[Result]) -> str:
             if key == "loader":
                 ratios = (_times(res.get("loader_vs_floor")), _times(res.get("loader_vs_dataloader")))
             rate = res[key]
-            rows.append(
-                [res["workload"], label, _num(rate["samples_per_s"]), _num(rate["mb_per_s"], 1), *ratios]
-            )
+            rows.append([res["workload"], label, _num(rate["samples_per_s"]), _num(rate["mb_per_s"], 1), *ratios])
     return _table(["workload", "impl", "samples/s", "MB/s", "loader/floor", "loader/DataLoader"], rows)
 
 
@@ -324,9 +320,8 @@ def _quality_table(results: Sequence[Result]) -> str:
         "dup %",
         "rows",
     ]
-    return (
-        "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal)\n"
-        + _table(headers, rows)
+    return "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal)\n" + _table(
+        headers, rows
     )
 
 
@@ -360,9 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*WORKLOADS, "all"],
         help="workload to run (repeatable; default: all)",
     )
-    parser.add_argument(
-        "--seconds", type=float, default=5.0, help="timed seconds per implementation (default 5)"
-    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per implementation (default 5)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--no-baselines", action="store_true", help="measure the loader only")
     parser.add_argument("--no-loader", action="store_true", help="measure the baselines only")
@@ -374,9 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    names = (
-        list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
-    )
+    names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     results = [
         run_workload(
             name,

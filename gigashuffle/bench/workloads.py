@@ -94,9 +94,7 @@ WORKLOADS: dict[str, Workload] = {
         bs=256,
         shuffle_size=4096,
     ),
-    "tokens": Workload(
-        "tokens", (FieldSpec("x", torch.int32, (2048,)),), chunk_rows=64, bs=64, shuffle_size=16384
-    ),
+    "tokens": Workload("tokens", (FieldSpec("x", torch.int32, (2048,)),), chunk_rows=64, bs=64, shuffle_size=16384),
     "tiny": Workload(
         "tiny",
         (FieldSpec("x", torch.float32, (16,)), FieldSpec("y", torch.int64, ())),
