@@ -123,9 +123,15 @@ class BatchRing:
         self.slot_bytes = _align(fields_bytes + bs * 8)
         self.nbytes = self.slot_bytes * depth
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
+        self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
     def regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Writable byte regions of ring slot ``k`` (one per field) and its int64 index tensor."""
+        if k not in self._regions:
+            self._regions[k] = self._make_regions(k)
+        return self._regions[k]
+
+    def _make_regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         base = k * self.slot_bytes
         fields = [
             self.memory.view(base + off, self.bs * spec.row_bytes).view(self.bs, spec.row_bytes)
@@ -152,4 +158,5 @@ class BatchRing:
         return batch
 
     def close(self) -> None:
+        self._regions.clear()
         self.memory.close()

@@ -43,8 +43,13 @@ class Channel:
         header = _HEADER.pack(len(payload), len(fds))
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         with self._send_lock:
-            self.sock.sendmsg([header], ancillary)
-            self.sock.sendall(payload)
+            # One syscall for the small messages of the hot path; sendall finishes what a full buffer cut off.
+            sent = self.sock.sendmsg([header, payload], ancillary) - len(header)
+            if sent < 0:
+                self.sock.sendall(header[sent:])
+                sent = 0
+            if sent < len(payload):
+                self.sock.sendall(payload[sent:])
 
     def recv_bytes(self) -> tuple[bytes, list[int]]:
         msg, ancillary, _flags, _addr = self.sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(_MAX_FDS * 4))
