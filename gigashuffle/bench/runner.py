@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
 from . import quality
@@ -56,6 +55,11 @@ def redis_command_calls(client: Any) -> int:
 
 def child_memory(child_pids: dict[str, list[int]]) -> list[dict[str, Any]]:
     """USS, PSS and shared (resident, file- or shm-backed) bytes of each loader child."""
+    try:
+        import psutil  # in the bench extra, not a core dependency
+    except ImportError:
+        log.warning("psutil is not installed (pip install 'gigashuffle[bench]'): no memory figures")
+        return []
     rows = []
     for role, pids in sorted(child_pids.items()):
         for pid in pids:

@@ -1,0 +1,213 @@
+"""Unit tests of the benchmark code that does not need the loader: quality figures and baselines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gigashuffle.bench import quality, runner
+from gigashuffle.bench.baselines import (
+    CopyFloor,
+    WorkerShuffleBuffer,
+    copy_floor,
+    dataloader_baseline,
+    timed_batches,
+)
+from gigashuffle.bench.workloads import (
+    ID_FIELD,
+    WORKLOADS,
+    FieldSpec,
+    RepeatingChunkDataset,
+    Workload,
+    get_workload,
+    make_ids,
+)
+
+SMALL = Workload(
+    "small",
+    (FieldSpec("x", torch.uint8, (3, 4, 4)), FieldSpec("y", torch.int64, ())),
+    chunk_rows=8,
+    bs=16,
+    shuffle_size=128,
+)
+
+
+def _batches(ids: np.ndarray, bs: int) -> list[np.ndarray]:
+    return [ids[i : i + bs] for i in range(0, len(ids), bs)]
+
+
+# --------------------------------------------------------------------------------------- quality
+
+
+def test_identity_order_has_zero_displacement() -> None:
+    ids = make_ids(0, 0, 1000).numpy()
+    q = quality.measure(_batches(ids, 100), shuffle_size=64)
+    assert q.displacement == 0.0
+    assert q.read_lag == 0.0
+    assert q.slot_age == 0.0
+    assert q.distinct_writers_per_batch == 1.0
+    assert q.duplicate_fraction == 0.0
+    assert q.rows == 1000 and q.batches == 10
+
+
+def test_ideal_shuffle_has_ratio_about_one() -> None:
+    shuffle_size = 500
+    order = quality.simulate_ideal_buffer(100_000, shuffle_size, seed=1)
+    q = quality.measure(_batches(order, 100), shuffle_size, seed=2)
+    assert q.displacement_ratio == pytest.approx(1.0, abs=0.05)
+    # Known figures of a uniform buffer: mean |displacement| ~ 2N/e, age ~ N.
+    assert q.ideal_displacement == pytest.approx(2 * shuffle_size / np.e, rel=0.05)
+    assert q.ideal_slot_age == pytest.approx(shuffle_size, rel=0.1)
+    assert q.duplicate_fraction == 0.0
+
+
+def test_simulated_ideal_buffer_matches_a_step_by_step_buffer() -> None:
+    reads, size = 3000, 37
+    slots = np.random.default_rng(5).integers(0, size, size=reads, dtype=np.int64)
+    buffer, expected, next_row = list(range(size)), [], size
+    for slot in slots:
+        expected.append(buffer[slot])
+        buffer[slot], next_row = next_row, next_row + 1
+    np.testing.assert_array_equal(quality.simulate_ideal_buffer(reads, size, seed=5), expected)
+
+
+def test_distinct_writers_per_batch() -> None:
+    batch_a = np.concatenate([make_ids(w, 0, 4).numpy() for w in (0, 1, 2)])
+    batch_b = make_ids(1, 10, 12).numpy()
+    assert quality.distinct_writers_per_batch([batch_a, batch_b]) == 2.0
+    assert quality.distinct_writers_per_batch([]) == 0.0
+
+
+def test_write_positions_interleave_writers() -> None:
+    ids = np.concatenate([make_ids(0, 0, 3).numpy(), make_ids(1, 0, 3).numpy()])
+    np.testing.assert_array_equal(quality.write_positions(ids, num_writers=2), [0, 2, 4, 1, 3, 5])
+
+
+def test_duplicates_are_counted() -> None:
+    assert quality.duplicate_fraction(np.array([1, 1, 2, 3], dtype=np.int64)) == 0.25
+
+
+# ------------------------------------------------------------------------------------- workloads
+
+
+def test_workloads_match_the_issue() -> None:
+    image, tokens, tiny = WORKLOADS["image"], WORKLOADS["tokens"], WORKLOADS["tiny"]
+    assert (image.chunk_rows, image.bs, image.shuffle_size) == (64, 256, 4096)
+    assert (tokens.chunk_rows, tokens.bs, tokens.shuffle_size) == (64, 64, 16384)
+    assert (tiny.chunk_rows, tiny.bs, tiny.shuffle_size) == (1024, 1024, 65536)
+    assert image.row_bytes == 3 * 224 * 224 + 8 + 8
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("nope")
+
+
+def test_repeating_dataset_gives_fresh_ids_each_chunk() -> None:
+    seen = [chunk[0][ID_FIELD].clone() for chunk in RepeatingChunkDataset(SMALL, max_chunks=3)]
+    assert torch.equal(torch.cat(seen), torch.arange(3 * SMALL.chunk_rows))
+
+
+# ------------------------------------------------------------------------------------- baselines
+
+
+def test_copy_floor_gathers_batches_of_the_layout() -> None:
+    floor = CopyFloor(SMALL)
+    assert floor.step() == SMALL.bs
+    assert floor.out["x"].shape == (SMALL.bs, 3, 4, 4) and floor.out["x"].dtype == torch.uint8
+    assert floor.out[ID_FIELD].shape == (SMALL.bs,)
+    assert int(floor.out[ID_FIELD].max()) < SMALL.shuffle_size
+    rate = copy_floor(SMALL, seconds=10.0, max_batches=50)
+    assert rate.batches == 50 and rate.samples == 50 * SMALL.bs
+    assert rate.samples_per_s > 0 and rate.mb_per_s > 0
+
+
+def test_worker_shuffle_buffer_emits_each_row_once() -> None:
+    buffer = WorkerShuffleBuffer(RepeatingChunkDataset(SMALL), buffer_rows=64, bs=SMALL.bs)
+    batches = iter(buffer)
+    ids = []
+    for _ in range(40):
+        batch = next(batches)
+        assert batch["x"].shape == (SMALL.bs, 3, 4, 4) and batch["y"].shape == (SMALL.bs,)
+        ids.append(batch[ID_FIELD].numpy().copy())
+    all_ids = np.concatenate(ids)
+    assert quality.duplicate_fraction(all_ids) == 0.0
+    # Rows only leave after the 64-row buffer filled, and none is newer than what was written.
+    assert all_ids.max() < 64 + len(all_ids)
+
+
+def test_dataloader_baseline_with_two_workers() -> None:
+    run = dataloader_baseline(SMALL, seconds=10.0, num_workers=2, warmup_batches=2, max_batches=10)
+    assert run.rate.batches == 10 and run.rate.samples_per_s > 0
+    assert len(run.ids) == 12 and all(ids.shape == (SMALL.bs,) for ids in run.ids)
+    q = quality.measure(run.ids, SMALL.shuffle_size, num_writers=2)
+    assert q.duplicate_fraction == 0.0
+    # A DataLoader batch is built inside one worker.
+    assert q.distinct_writers_per_batch == 1.0
+
+
+def test_timed_batches_always_times_one_batch() -> None:
+    rate = timed_batches(lambda: 3, seconds=0.0, row_bytes=10)
+    assert rate.batches == 1 and rate.samples == 3
+
+
+# ---------------------------------------------------------------------------------------- runner
+
+
+def _fake_result() -> runner.Result:
+    rate = {
+        "samples": 10,
+        "batches": 2,
+        "seconds": 1.0,
+        "row_bytes": 8,
+        "samples_per_s": 10.0,
+        "mb_per_s": 8e-5,
+    }
+    qual = quality.measure(_batches(quality.simulate_ideal_buffer(200, 50), 20), 50).to_dict()
+    loader = {
+        **rate,
+        "startup_s": 1.0,
+        "import_torch_s": 2.0,
+        "startup_vs_import_torch": 0.5,
+        "warmup_batches": 1,
+        "warmup_s": 0.1,
+        "mixed": True,
+        "redis_calls": 6,
+        "redis_cmds_per_batch": 3.0,
+        "quality": qual,
+        "children": [{"role": "writer", "pid": 1, "uss": 1 << 20, "pss": 1 << 20, "shared": 1 << 21}],
+    }
+    return {
+        "workload": "small",
+        "seconds": 1.0,
+        "torch_threads": 1,
+        "num_writers": 1,
+        "num_readers": 1,
+        "min_mixing": 0.5,
+        "loader": loader,
+        "copy_floor": rate,
+        "dataloader": {**rate, "quality": qual},
+        "loader_vs_floor": 1.0,
+        "loader_vs_dataloader": 1.0,
+    }
+
+
+def test_format_table_has_every_section() -> None:
+    table = runner.format_table([_fake_result()])
+    for needle in (
+        "copy floor",
+        "DataLoader",
+        "loader/floor",
+        "import torch",
+        "USS",
+        "cmds/batch",
+        "quality",
+    ):
+        assert needle in table
+
+
+def test_main_json_without_the_loader(capsys: pytest.CaptureFixture[str]) -> None:
+    assert runner.main(["--workload", "tiny", "--seconds", "0.05", "--no-loader", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["workload"] == "tiny" and "loader" not in result
+    assert result["copy_floor"]["samples_per_s"] > 0 and result["dataloader"]["samples_per_s"] > 0
