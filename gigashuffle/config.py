@@ -70,7 +70,8 @@ class DataloaderConfig:
     @property
     def min_full_slots(self) -> int:
         """Full slots a reader needs before it may take a batch (the mixing threshold)."""
-        return max(self.bs, math.ceil(self.min_mixing * self.shuffle_size))
+        # round() drops float noise: 0.07 * 100 is 7.000000000000001, which must need 7 slots, not 8.
+        return max(self.bs, math.ceil(round(self.min_mixing * self.shuffle_size, 9)))
 
     @property
     def readers_per_node(self) -> int:
@@ -154,7 +155,8 @@ class DataloaderConfig:
         # threshold; the threshold must still be reachable then, or the node deadlocks.
         held_by_others = (self.readers_per_node - 1) * self.bs
         if self.min_full_slots + held_by_others > self.shuffle_size:
-            most = (self.shuffle_size - held_by_others) / self.shuffle_size
+            # Rounded down to the 3 decimals shown, so that the value suggested is itself accepted.
+            most = (self.shuffle_size - held_by_others) * 1000 // self.shuffle_size / 1000
             raise _fail(
                 "min_mixing",
                 self.min_mixing,

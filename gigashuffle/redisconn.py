@@ -48,8 +48,16 @@ def connect(url: str, total_timeout_s: float = 30.0) -> Client:
     if cluster:
         client.close()
         options.pop("retry_on_error")
-        return RedisCluster.from_url(url, **options)
+        return _ClusterClient.from_url(url, **options)
     return client
+
+
+class _ClusterClient(RedisCluster):
+    """``RedisCluster.close()`` leaves the node pools of a ``from_url`` client connected; disconnect them too."""
+
+    def close(self) -> None:
+        super().close()
+        self.disconnect_connection_pools()  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager

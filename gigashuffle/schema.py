@@ -164,7 +164,13 @@ def _as_tensor(value: object, group: int, key: str) -> torch.Tensor:
                 f"{label} has numpy dtype {value.dtype}, which a shared buffer cannot hold; "
                 "use a bool, integer or float dtype (encode strings as token ids or bytes as uint8)"
             )
-        value = torch.from_numpy(np.ascontiguousarray(value))
+        try:
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        except (TypeError, ValueError) as exc:  # float128, a non-native byte order: kinds right, layout not
+            raise SchemaError(
+                f"{label} has numpy dtype {value.dtype}, which torch cannot view ({exc}); "
+                "convert it with .astype() to a native-endian bool, integer or float dtype of at most 8 bytes"
+            ) from exc
     if not isinstance(value, torch.Tensor):
         raise SchemaError(f"{label} is a {type(value).__name__}; every field must be a torch.Tensor or ndarray")
     if dtype_name(value.dtype) not in _SUPPORTED:

@@ -95,6 +95,15 @@ def serve(trainer: Channel) -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 continue
+        # A SIGKILLed trainer cannot remove its children's attach sockets; the children are gone now, so do it.
+        from .errors import GigashuffleError
+        from .runtime import attach_socket_path, remove_socket
+
+        try:
+            for pid in children:
+                remove_socket(attach_socket_path(pid))
+        except (OSError, GigashuffleError) as exc:
+            log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
 
 
 def main(argv: list[str]) -> int:
