@@ -159,7 +159,10 @@ def release(server: EmbeddedServer) -> None:
                 with contextlib.suppress(redis.ConnectionError):
                     client.shutdown(nosave=True)
         except redis.RedisError as exc:
+            # Its starter died and took it along: nobody else removes the socket file it leaves behind.
             log.warning("embedded Redis at %s did not answer at release: %s", server.socket_path, exc)
+            if not _answers(server.socket_path):
+                remove_socket(server.socket_path)
         finally:
             client.close()
         if server.process is not None and server.process.poll() is None and not _answers(server.socket_path):

@@ -111,10 +111,16 @@ class NodeSession:
                 self.lost = QueueStateLostError("the queue's session in Redis is gone")
                 return
 
-    def leave(self) -> bool:
-        """Stop the heartbeat and drop the claim; True if this was the node's last trainer (keys deleted)."""
+    def abandon(self) -> None:
+        """Stop the heartbeat without touching Redis (it is gone); the claim expires with its TTL."""
+        self._left = True
+        self.stop_heartbeat()
+
+    def leave(self, store: SlotStore | None = None) -> bool:
+        """Stop the heartbeat and drop the claim (through ``store``, default this session's own); True if this was
+        the node's last trainer, which deletes every key of the session."""
         if self._left:
             return False
         self._left = True
         self.stop_heartbeat()
-        return self.store.release_rank(self.config.global_rank, self.other_ranks, self.token)
+        return (store or self.store).release_rank(self.config.global_rank, self.other_ranks, self.token)

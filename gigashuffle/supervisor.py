@@ -30,15 +30,17 @@ from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .errors import GigashuffleError, QueueStateLostError, WorkerDied
 from .procs import ChildProcess, Zygote
-from .redisconn import Client
+from .redisconn import Client, connect
 from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
 from .session import NodeSession
+from .slots import SlotStore
 from .workers import ChildSpec, proc_name
 
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
+_CLOSE_REDIS_BUDGET_S = 2.0
 
 
 class Supervisor:
@@ -71,7 +73,14 @@ class Supervisor:
         self.session_restarts = 0
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
-        self._spawn_all()
+        try:
+            self._spawn_all()
+        except BaseException:
+            # E.g. an unpicklable dataset: the loader gets no Supervisor to shut down, so stop the zygote now.
+            self.zygote.close()
+            for child in self.children:
+                child.channel.close()
+            raise
 
     def _spawn_all(self) -> None:
         for role, count in (("writer", self.config.num_writers), ("reader", self.config.num_readers)):
@@ -224,11 +233,20 @@ class Supervisor:
             return 0
         return self.config.max_restarts
 
-    def _reclaim(self, child: ChildProcess) -> None:
+    def _closing_store(self) -> SlotStore | None:
+        """A client with a short retry budget: close() must not wait out redis_timeout_s on a dead server."""
+        try:
+            client = connect(self.redis_url, _CLOSE_REDIS_BUDGET_S)
+        except GigashuffleError as exc:
+            log.warning("Redis does not answer at close (%s); the next session of this queue cleans up", exc)
+            return None
+        return SlotStore(client, self.session.store.keys, self.session.store.generation)
+
+    def _reclaim(self, child: ChildProcess, store: SlotStore | None = None) -> None:
         if not child.proc_id:
             return
         try:
-            slots = self.session.store.reclaim(child.proc_id, child.role)
+            slots = (store or self.session.store).reclaim(child.proc_id, child.role)
         except GigashuffleError as exc:
             log.warning("could not reclaim the slots of %s: %s", child.proc_id, exc)
             return
@@ -276,16 +294,22 @@ class Supervisor:
         self.closed = True
         live = [c for c in self.children if c.alive]
         self._stop_children()
-        for child in live:
-            self._reclaim(child)
         for child in self.children:
             child.ring = None
         self.ready.clear()
         self.to_free.clear()
-        try:
-            self.session.leave()
-        except GigashuffleError as exc:
-            log.warning("could not leave the queue session cleanly: %s", exc)
+        store = self._closing_store()
+        if store is None:
+            self.session.abandon()
+        else:
+            try:
+                for child in live:
+                    self._reclaim(child, store)
+                self.session.leave(store)
+            except GigashuffleError as exc:
+                log.warning("could not leave the queue session cleanly: %s", exc)
+            finally:
+                store.client.close()
         self.client.close()
         if self.server is not None:
             embedded.release(self.server)
