@@ -348,18 +348,7 @@ def test_two_nodes_embedded_one_server_per_node(tmp_path: Path, runtime_dir: Pat
     "victim",
     [
         "other_rank",
-        pytest.param(
-            "server_starter",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "killing the rank whose process started the node's embedded server kills the server too "
-                    "(PR_SET_PDEATHSIG); the surviving rank's close() then retries the refused unix socket for "
-                    "the whole redis_timeout_s budget (30 s) per call, torchrun SIGKILLs it after its 30 s "
-                    "grace, and nobody removes redis-n0.sock from the runtime dir (only the next acquire does)"
-                ),
-            ),
-        ),
+        "server_starter",
     ],
 )
 def test_killed_rank_ends_job_and_leaves_nothing(tmp_path: Path, runtime_dir: Path, victim: str) -> None:
