@@ -4,13 +4,16 @@ NOTE [ Slot states ]
 Every slot is in exactly one place: the ``empty`` set, the ``full`` set, or the ``lease`` set of the one
 process that is writing or reading it. Writers move ``empty -> lease -> full``; readers ``full -> lease ->
 empty`` (evict_on_read) or ``-> full`` again. A dead process's lease is reclaimed: a writer's slots go back to
-``empty`` (their rows may be torn), a reader's back to ``full`` (it never delivered them). Slot lists travel
-packed as little-endian int32 strings and are decoded with numpy on the client.
+``empty`` (their rows may be torn), a reader's back to ``full`` (it never delivered them) unless evict() marked
+them. Slot lists travel packed as little-endian int32 strings and are decoded with numpy on the client.
 
 Each cycle script first hands back what the caller's lease still holds beyond what it commits: if a reply was
 lost and redis-py retried the call, the retry returns the same slots instead of leaking them, so retries are
-safe. Every script checks the generation (``ARGV[1]`` against ``KEYS[1]``): after a Redis restart or a new node
-session, a stale process gets ``GIGASHUFFLE_STALE`` instead of touching slots it no longer owns.
+safe. (One exception: with evict_on_read=False a lost reader reply may have re-picked slots the call returned;
+the retry returns those once more and tops the batch up from ``full``, so the reader gets a different but
+whole batch, and no slot is lost.) Every script checks the generation (``ARGV[1]`` against ``KEYS[1]``): after
+a Redis restart or a new node session, a stale process gets ``GIGASHUFFLE_STALE`` instead of touching slots it
+no longer owns.
 """
 
 from __future__ import annotations
@@ -120,8 +123,20 @@ if #done > 0 then
   end
 end
 local held = redis.call('SMEMBERS', KEYS[4])
-if #held > 0 then return pack_slots(held) end
 local want = tonumber(ARGV[3])
+if #held > 0 then
+  -- A retry whose lost reply had re-picked some of the slots it returns (evict_on_read=False) has just returned
+  -- those again: top the batch up from full, so that the reader still gets a whole batch.
+  if #done > 0 and #held < want then
+    local more = redis.call('SPOP', KEYS[3], want - #held)
+    if #more > 0 then
+      each_slice('SADD', KEYS[4], more)
+      if ARGV[5] ~= '1' then each_slice('SADD', KEYS[5], more) end
+      for i = 1, #more do held[#held + 1] = more[i] end
+    end
+  end
+  return pack_slots(held)
+end
 if want == 0 or redis.call('SCARD', KEYS[3]) < tonumber(ARGV[4]) then return '' end
 local got = redis.call('SPOP', KEYS[3], want)
 each_slice('SADD', KEYS[4], got)
@@ -155,13 +170,24 @@ return #now + #later
 RECLAIM = (
     _PRELUDE
     + """
--- KEYS: gen, empty, full, lease, reading, procs
+-- KEYS: gen, empty, full, lease, reading, procs, evict
 -- ARGV: gen, process id, 'writer' or 'reader'
--- Returns a dead process's slots: a writer's to empty (rows may be torn), a reader's to full (never delivered).
+-- Returns a dead process's slots: a writer's to empty (rows may be torn), a reader's to full (never delivered),
+-- except those evicted while it read them, which go to empty as their reader would have sent them.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
 local held = redis.call('SMEMBERS', KEYS[4])
 if #held > 0 then
-  if ARGV[3] == 'writer' then each_slice('SADD', KEYS[2], held) else each_slice('SADD', KEYS[3], held) end
+  local evicted = take_members(KEYS[7], held)
+  if ARGV[3] == 'writer' then
+    each_slice('SADD', KEYS[2], held)
+  else
+    local gone = {}
+    for i = 1, #evicted do gone[evicted[i]] = true end
+    local back = {}
+    for i = 1, #held do if not gone[held[i]] then back[#back + 1] = held[i] end end
+    if #evicted > 0 then each_slice('SADD', KEYS[2], evicted) end
+    if #back > 0 then each_slice('SADD', KEYS[3], back) end
+  end
   each_slice('SREM', KEYS[5], held)
 end
 redis.call('DEL', KEYS[4])

@@ -102,7 +102,7 @@ class SlotStore:
     # -- supervision -----------------------------------------------------------------------------------------
     def reclaim(self, proc: str, role: str) -> int:
         k = self.keys
-        keys = [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.procs]
+        keys = [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.procs, k.evict_pending]
         return int(self._run(self._reclaim, keys, [self.generation, proc, role]))
 
     def register(self, proc: str, info: dict[str, Any]) -> None:

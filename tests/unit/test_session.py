@@ -1,0 +1,269 @@
+"""NodeSession (NOTE [ Node sessions ] in session.py): rank claims, generations, takeover, heartbeat, leaving."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from redis_servers import wait_until
+
+from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError
+from gigashuffle import session as session_mod
+from gigashuffle.keys import QueueKeys
+from gigashuffle.redisconn import Client, connect
+from gigashuffle.runtime import pid_alive
+from gigashuffle.session import LEASE_MS, NodeSession, shared_conf
+
+QUEUE = "sess-q"
+NODE0 = QueueKeys(QUEUE, "n0")
+DEADLINE_S = 10.0
+
+
+def config(rank: int, **overrides: Any) -> DataloaderConfig:
+    """Rank ``rank`` of a 2-node job with 2 ranks per node: ranks 0 and 1 share node n0, ranks 2 and 3 node n1."""
+    base: dict[str, Any] = {
+        "bs": 2,
+        "shuffle_size": 16,
+        "queue_name": QUEUE,
+        "num_readers": 1,
+        "local_world_size": 2,
+        "global_world_size": 4,
+        "global_rank": rank,
+        "local_rank": rank % 2,
+    }
+    return DataloaderConfig(**{**base, **overrides})
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Client]:
+    c = connect(redis_url, total_timeout_s=5.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def join(client: Client) -> Iterator[Callable[[DataloaderConfig], NodeSession]]:
+    """Join sessions that are left (heartbeat thread stopped) at teardown, whatever the test did."""
+    made: list[NodeSession] = []
+
+    def _join(cfg: DataloaderConfig) -> NodeSession:
+        s = NodeSession(client, cfg)
+        made.append(s)
+        return s
+
+    yield _join
+    for s in made:
+        with contextlib.suppress(GigashuffleError):  # a test that wiped Redis under the session
+            s.leave()
+        assert not s._thread.is_alive()
+
+
+def dead_pid() -> int:
+    """The pid of a child that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait(timeout=DEADLINE_S)
+    assert not pid_alive(proc.pid)
+    return proc.pid
+
+
+def all_keys(client: Client) -> set[str]:
+    return {k.decode() for k in client.scan_iter(match="*", count=1000)}
+
+
+def test_first_join_starts_a_session(join: Callable[[DataloaderConfig], NodeSession], client: Client) -> None:
+    s0 = join(config(0))
+    assert s0.generation
+    assert client.get(NODE0.gen) == s0.generation.encode()
+    assert client.get(NODE0.conf) == shared_conf(config(0)).encode()
+    assert client.get(NODE0.rank(0)) == s0.token.encode()
+    assert 0 < client.pttl(NODE0.rank(0)) <= LEASE_MS
+    host, pid, _ = s0.token.split(":")
+    assert (host, int(pid)) == (socket.gethostname(), os.getpid())
+    assert s0.other_ranks == [1]
+    assert s0.lost is None
+
+
+def test_second_rank_of_the_node_joins_the_same_generation(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client
+) -> None:
+    s0 = join(config(0))
+    s1 = join(config(1, num_writers=5, ring_depth=7))  # settings outside the shared set may differ
+    assert s1.generation == s0.generation
+    assert s1.token != s0.token
+    assert s1.other_ranks == [0]
+    assert client.get(NODE0.rank(1)) == s1.token.encode()
+    # While one rank stays, a rank that leaves and comes back rejoins the running session.
+    assert s0.leave() is False
+    again = join(config(0))
+    assert again.generation == s1.generation
+
+
+def test_a_new_session_gets_a_new_generation(join: Callable[[DataloaderConfig], NodeSession]) -> None:
+    first = join(config(0))
+    generation = first.generation
+    assert first.leave() is True
+    assert join(config(0)).generation != generation
+
+
+def test_ranks_of_another_node_run_their_own_session(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client
+) -> None:
+    s0 = join(config(0))
+    s2 = join(config(2, bs=4))  # node n1 may even use other settings
+    assert s2.config.node == "n1"
+    assert s2.other_ranks == [3]
+    assert s2.generation != s0.generation
+    assert client.get(QueueKeys(QUEUE, "n1").gen) == s2.generation.encode()
+    assert client.get(NODE0.gen) == s0.generation.encode()
+
+
+def test_same_rank_twice_is_refused(join: Callable[[DataloaderConfig], NodeSession], client: Client) -> None:
+    s0 = join(config(0))
+    with pytest.raises(QueueInUseError) as info:
+        join(config(0))
+    message = str(info.value)
+    assert f"queue_name={QUEUE!r}" in message
+    assert "global_rank=0" in message
+    assert s0.token in message  # the live holder is named
+    assert "another queue_name" in message
+    assert client.get(NODE0.rank(0)) == s0.token.encode()  # the holder keeps its claim
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        "otherhost.example:{pid}:abc",  # another host: its liveness cannot be checked from here
+        f"{socket.gethostname()}:notapid:abc",
+    ],
+)
+def test_a_holder_that_cannot_be_checked_is_not_taken_over(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, holder: str
+) -> None:
+    value = holder.format(pid=dead_pid())
+    client.set(NODE0.rank(0), value, px=LEASE_MS)
+    with pytest.raises(QueueInUseError, match="global_rank=0"):
+        join(config(0))
+    assert client.get(NODE0.rank(0)) == value.encode()
+
+
+def test_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client
+) -> None:
+    stale = f"{socket.gethostname()}:{dead_pid()}:deadbeef0000"
+    client.set(NODE0.rank(0), stale, px=LEASE_MS)
+    # What the dead job's session left behind: it must not leak into the new one.
+    client.set(NODE0.gen, "old-generation")
+    client.set(NODE0.conf, '{"bs": 99}')
+    client.sadd(NODE0.full, 1, 2, 3)
+    client.sadd(NODE0.empty, 4)
+    client.hset(NODE0.meta, "layout", "old")
+    client.hset(NODE0.procs, "w0", json.dumps({"role": "writer"}))
+    client.sadd(NODE0.lease("w0"), 5)
+
+    s0 = join(config(0))
+    assert s0.generation != "old-generation"
+    assert client.get(NODE0.rank(0)) == s0.token.encode()
+    assert client.get(NODE0.conf) == shared_conf(config(0)).encode()
+    for key in (NODE0.full, NODE0.empty, NODE0.meta, NODE0.procs, NODE0.lease("w0")):
+        assert client.exists(key) == 0, key
+
+
+def test_different_shared_config_is_refused(join: Callable[[DataloaderConfig], NodeSession], client: Client) -> None:
+    s0 = join(config(0))
+    with pytest.raises(ConfigMismatchError) as info:
+        join(config(1, bs=4))
+    message = str(info.value)
+    assert f"queue_name={QUEUE!r}" in message
+    assert '"bs": 2' in message  # what the node runs with
+    assert '"bs": 4' in message  # what this rank asked for
+    assert isinstance(info.value, ValueError)
+    # The refused rank left no claim behind, and the running session is untouched.
+    assert client.exists(NODE0.rank(1)) == 0
+    assert client.get(NODE0.gen) == s0.generation.encode()
+    assert client.get(NODE0.rank(0)) == s0.token.encode()
+    # The right settings still join.
+    assert join(config(1)).generation == s0.generation
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"shuffle_size": 32}, {"min_mixing": 0.25}, {"evict_on_read": False}], ids=lambda o: next(iter(o))
+)
+def test_every_shared_field_must_agree(
+    join: Callable[[DataloaderConfig], NodeSession], overrides: dict[str, Any]
+) -> None:
+    join(config(0))
+    with pytest.raises(ConfigMismatchError):
+        join(config(1, **overrides))
+
+
+def test_last_leave_deletes_every_key_of_the_queue(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client
+) -> None:
+    s0 = join(config(0))
+    s1 = join(config(1))
+    other_node = join(config(2))
+    store = s0.store
+    # A running session: metadata, every slot set, two registered processes with leases, a deferred eviction.
+    assert store.seed(10, {"layout": "{}", "slots": "10"})
+    store.register("w0", {"role": "writer"})
+    store.register("r0", {"role": "reader"})
+    written = store.writer_cycle("w0", store.writer_cycle("w0", [], 6), 2)
+    assert len(written) == 2
+    batch = store.reader_cycle("r0", [], 2, 2, False)
+    assert store.evict(batch[:1]) == 1
+    ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
+    expected = {*NODE0.fixed(), NODE0.lease("w0"), NODE0.lease("r0"), NODE0.rank(0), NODE0.rank(1)}
+    assert ours == expected
+
+    assert s0.leave() is False  # rank 1 is still there
+    assert s0.leave() is False  # idempotent
+    assert {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")} == expected - {NODE0.rank(0)}
+    assert s1.leave() is True
+    assert [k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")] == []
+    # The other node's session is not touched.
+    assert client.get(QueueKeys(QUEUE, "n1").gen) == other_node.generation.encode()
+
+
+def test_heartbeat_keeps_the_claim_alive(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.05)
+    s0 = join(config(0))
+    client.pexpire(NODE0.rank(0), 1500)  # the claim would lapse in 1.5 s without a heartbeat
+    wait_until(
+        lambda: client.pttl(NODE0.rank(0)) > 2000, timeout_s=DEADLINE_S, what="the heartbeat to extend the claim"
+    )
+    assert client.get(NODE0.rank(0)) == s0.token.encode()
+    assert s0.lost is None
+    assert s0.store.heartbeat(0, s0.token, LEASE_MS) is True
+    assert s0.store.heartbeat(0, "someone-else", LEASE_MS) is False
+
+
+def test_heartbeat_notices_a_lost_session(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.05)
+    s0 = join(config(0))
+    client.flushall()  # a Redis restart without persistence
+    wait_until(lambda: s0.lost is not None, timeout_s=DEADLINE_S, what="the heartbeat to notice the lost session")
+    assert isinstance(s0.lost, GigashuffleError)
+    wait_until(lambda: not s0._thread.is_alive(), timeout_s=DEADLINE_S, what="the heartbeat thread to end")
+
+
+def test_heartbeat_notices_a_stolen_rank(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.05)
+    s0 = join(config(0))
+    client.set(NODE0.rank(0), "otherhost:1:thief", px=LEASE_MS)
+    wait_until(lambda: s0.lost is not None, timeout_s=DEADLINE_S, what="the heartbeat to notice the stolen claim")
+    assert isinstance(s0.lost, GigashuffleError)
+    # Leaving does not delete a claim that is no longer ours.
+    s0.leave()
+    assert client.get(NODE0.rank(0)) == b"otherhost:1:thief"
