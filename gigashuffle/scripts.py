@@ -1,19 +1,24 @@
 """Lua scripts of the slot state machine, one atomic call per transition.
 
 NOTE [ Slot states ]
-Every slot is in exactly one place: the ``empty`` set, the ``full`` set, or the ``lease`` set of the one
+Every slot is in exactly one place: the ``empty`` list, the ``full`` set, or the ``lease`` list of the one
 process that is writing or reading it. Writers move ``empty -> lease -> full``; readers ``full -> lease ->
 empty`` (evict_on_read) or ``-> full`` again. A dead process's lease is reclaimed: a writer's slots go back to
 ``empty`` (their rows may be torn), a reader's back to ``full`` (it never delivered them) unless evict() marked
-them. Slot lists travel packed as little-endian int32 strings and are decoded with numpy on the client.
+them.
 
-Each cycle script first hands back what the caller's lease still holds beyond what it commits: if a reply was
-lost and redis-py retried the call, the retry returns the same slots instead of leaking them, so retries are
-safe. (One exception: with evict_on_read=False a lost reader reply may have re-picked slots the call returned;
-the retry returns those once more and tops the batch up from ``full``, so the reader gets a different but
-whole batch, and no slot is lost.) Every script checks the generation (``ARGV[1]`` against ``KEYS[1]``): after
-a Redis restart or a new node session, a stale process gets ``GIGASHUFFLE_STALE`` instead of touching slots it
-no longer owns.
+Why these types: readers need uniformly random full slots, which only ``SPOP`` on a set gives; writers may fill
+any empty slot, so ``empty`` is a list (``LPOP``/``RPUSH`` cost a fraction of a set's random pop per slot). A
+lease is a list in the order the slots were handed out, so a process reports what it finished as "the first
+``n`` of my lease, starting with slot ``s``" instead of sending the ids back: the hot path never packs or
+unpacks a slot id in Lua. Slot ids come back to the client as one comma-separated string, parsed by numpy.
+
+A call that finds its lease head is not ``s`` commits nothing: that is what makes a retried call (redis-py
+retries after a lost reply) harmless, since the first execution already moved slot ``s`` out of the lease and
+no other slot of the same call can bring it back to the head. Each cycle then hands back what the lease still
+holds before topping it up, so a retry returns the same slots instead of leaking them. Every script checks the
+generation (``ARGV[1]`` against ``KEYS[1]``): after a Redis restart or a new node session, a stale process gets
+``GIGASHUFFLE_STALE`` instead of touching slots it no longer owns.
 """
 
 from __future__ import annotations
@@ -33,11 +38,6 @@ local function unpack_slots(s)
   local out = {}
   for i = 1, #s, 4 do out[#out + 1] = struct.unpack('<i4', s, i) end
   return out
-end
-local function pack_slots(t)
-  local parts = {}
-  for i = 1, #t do parts[i] = struct.pack('<i4', tonumber(t[i])) end
-  return table.concat(parts)
 end
 -- Variadic commands in slices: Lua's unpack() is limited by the C stack.
 local function each_slice(cmd, key, t)
@@ -71,7 +71,7 @@ local slots = tonumber(ARGV[2])
 for first = 0, slots - 1, 4000 do
   local ids = {}
   for s = first, math.min(first + 3999, slots - 1) do ids[#ids + 1] = s end
-  redis.call('SADD', KEYS[3], unpack(ids))
+  redis.call('RPUSH', KEYS[3], unpack(ids))
 end
 return 1
 """
@@ -81,21 +81,20 @@ WRITER_CYCLE = (
     _PRELUDE
     + """
 -- KEYS: gen, empty, full, lease
--- ARGV: gen, packed slots written since the last call, number of empty slots wanted
--- Publishes the written slots, then returns the caller's lease topped up to the wanted count from empty.
+-- ARGV: gen, how many slots at the head of the lease were written, the first of them, empty slots wanted
+-- Publishes the written slots, then returns the lease topped up to the wanted count from empty.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
-local written = take_members(KEYS[4], unpack_slots(ARGV[2]))
-if #written > 0 then each_slice('SADD', KEYS[3], written) end
-local want = tonumber(ARGV[3])
-local held = redis.call('SMEMBERS', KEYS[4])
-if #held < want then
-  local got = redis.call('SPOP', KEYS[2], want - #held)
-  if #got > 0 then
-    each_slice('SADD', KEYS[4], got)
-    for i = 1, #got do held[#held + 1] = got[i] end
-  end
+local written = tonumber(ARGV[2])
+if written > 0 and redis.call('LINDEX', KEYS[4], 0) == ARGV[3] then
+  each_slice('SADD', KEYS[3], redis.call('LPOP', KEYS[4], written))
 end
-return pack_slots(held)
+local want = tonumber(ARGV[4])
+local held = redis.call('LLEN', KEYS[4])
+if held < want then
+  local got = redis.call('LPOP', KEYS[2], want - held)
+  if got then each_slice('RPUSH', KEYS[4], got) end
+end
+return table.concat(redis.call('LRANGE', KEYS[4], 0, -1), ',')
 """
 )
 
@@ -103,45 +102,35 @@ READER_CYCLE = (
     _PRELUDE
     + """
 -- KEYS: gen, empty, full, lease, reading, evict
--- ARGV: gen, packed slots read since the last call, batch size wanted (0: none), full slots needed, evict flag
--- Returns the read slots to empty (evict_on_read) or full, then hands out a batch of random full slots once at
--- least the mixing threshold is full; a batch still leased from a lost reply is handed out again first.
+-- ARGV: gen, first slot of the batch read since the last call ('' if none), batch size wanted (0: none),
+--       full slots needed, evict flag
+-- Returns the batch read to empty (evict_on_read) or to full (less slots evict() marked meanwhile, which go to
+-- empty), then hands out bs random full slots once at least the mixing threshold is full. A batch still leased
+-- from a lost reply is handed out again instead.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
-local done = take_members(KEYS[4], unpack_slots(ARGV[2]))
-if #done > 0 then
+if ARGV[2] ~= '' and redis.call('LINDEX', KEYS[4], 0) == ARGV[2] then
+  local done = redis.call('LRANGE', KEYS[4], 0, -1)
+  redis.call('DEL', KEYS[4])
   if ARGV[5] == '1' then
-    each_slice('SADD', KEYS[2], done)
+    each_slice('RPUSH', KEYS[2], done)
   else
     each_slice('SREM', KEYS[5], done)
     local evicted = take_members(KEYS[6], done)
     local gone = {}
-    for i = 1, #evicted do gone[tostring(evicted[i])] = true end
+    for i = 1, #evicted do gone[evicted[i]] = true end
     local back = {}
-    for i = 1, #done do if not gone[tostring(done[i])] then back[#back + 1] = done[i] end end
-    if #evicted > 0 then each_slice('SADD', KEYS[2], evicted) end
+    for i = 1, #done do if not gone[done[i]] then back[#back + 1] = done[i] end end
+    if #evicted > 0 then each_slice('RPUSH', KEYS[2], evicted) end
     if #back > 0 then each_slice('SADD', KEYS[3], back) end
   end
 end
-local held = redis.call('SMEMBERS', KEYS[4])
+if redis.call('LLEN', KEYS[4]) > 0 then return table.concat(redis.call('LRANGE', KEYS[4], 0, -1), ',') end
 local want = tonumber(ARGV[3])
-if #held > 0 then
-  -- A retry whose lost reply had re-picked some of the slots it returns (evict_on_read=False) has just returned
-  -- those again: top the batch up from full, so that the reader still gets a whole batch.
-  if #done > 0 and #held < want then
-    local more = redis.call('SPOP', KEYS[3], want - #held)
-    if #more > 0 then
-      each_slice('SADD', KEYS[4], more)
-      if ARGV[5] ~= '1' then each_slice('SADD', KEYS[5], more) end
-      for i = 1, #more do held[#held + 1] = more[i] end
-    end
-  end
-  return pack_slots(held)
-end
 if want == 0 or redis.call('SCARD', KEYS[3]) < tonumber(ARGV[4]) then return '' end
 local got = redis.call('SPOP', KEYS[3], want)
-each_slice('SADD', KEYS[4], got)
+each_slice('RPUSH', KEYS[4], got)
 if ARGV[5] ~= '1' then each_slice('SADD', KEYS[5], got) end
-return pack_slots(got)
+return table.concat(got, ',')
 """
 )
 
@@ -155,7 +144,7 @@ EVICT = (
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
 local wanted = unpack_slots(ARGV[2])
 local now = take_members(KEYS[3], wanted)
-if #now > 0 then each_slice('SADD', KEYS[2], now) end
+if #now > 0 then each_slice('RPUSH', KEYS[2], now) end
 local later = {}
 for i = 1, #wanted, 4000 do
   local slice = {unpack(wanted, i, math.min(i + 3999, #wanted))}
@@ -175,17 +164,17 @@ RECLAIM = (
 -- Returns a dead process's slots: a writer's to empty (rows may be torn), a reader's to full (never delivered),
 -- except those evicted while it read them, which go to empty as their reader would have sent them.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
-local held = redis.call('SMEMBERS', KEYS[4])
+local held = redis.call('LRANGE', KEYS[4], 0, -1)
 if #held > 0 then
   local evicted = take_members(KEYS[7], held)
   if ARGV[3] == 'writer' then
-    each_slice('SADD', KEYS[2], held)
+    each_slice('RPUSH', KEYS[2], held)
   else
     local gone = {}
     for i = 1, #evicted do gone[evicted[i]] = true end
     local back = {}
     for i = 1, #held do if not gone[held[i]] then back[#back + 1] = held[i] end end
-    if #evicted > 0 then each_slice('SADD', KEYS[2], evicted) end
+    if #evicted > 0 then each_slice('RPUSH', KEYS[2], evicted) end
     if #back > 0 then each_slice('SADD', KEYS[3], back) end
   end
   each_slice('SREM', KEYS[5], held)
@@ -199,7 +188,7 @@ return #held
 STATS = """
 -- KEYS: gen, full, empty, procs
 -- ARGV: none. Returns {generation or false, full, empty, processes}.
-return {redis.call('GET', KEYS[1]), redis.call('SCARD', KEYS[2]), redis.call('SCARD', KEYS[3]),
+return {redis.call('GET', KEYS[1]), redis.call('SCARD', KEYS[2]), redis.call('LLEN', KEYS[3]),
         redis.call('HLEN', KEYS[4])}
 """
 

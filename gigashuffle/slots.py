@@ -29,8 +29,11 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def unpack(data: bytes) -> SlotIds:
-    return np.frombuffer(data, dtype="<i4").astype(np.int32) if data else _NO_SLOTS
+def unpack(reply: bytes) -> SlotIds:
+    """Slot ids from a script's comma-separated reply (numpy parses it in C)."""
+    if not reply:
+        return _NO_SLOTS
+    return np.fromstring(reply, dtype=np.int32, sep=",")  # text mode: not the deprecated binary one
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,9 @@ class SlotStore:
 
     def writer_cycle(self, proc: str, written: SlotIds, want: int) -> SlotIds:
         k = self.keys
-        reply = self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc)], [self.generation, pack(written), want])
-        return unpack(reply)
+        first = int(written[0]) if len(written) else ""
+        args = [self.generation, len(written), first, want]
+        return unpack(self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc)], args))
 
     # -- readers ---------------------------------------------------------------------------------------------
     def reader_cycle(self, proc: str, done: SlotIds, want: int, min_full: int, evict_on_read: bool) -> SlotIds:
@@ -90,7 +94,7 @@ class SlotStore:
         reply = self._run(
             self._reader,
             [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.evict_pending],
-            [self.generation, pack(done), want, min_full, "1" if evict_on_read else "0"],
+            [self.generation, int(done[0]) if len(done) else "", want, min_full, "1" if evict_on_read else "0"],
         )
         return unpack(reply)
 

@@ -33,7 +33,16 @@ def store(client: Client) -> SlotStore:
 
 
 def members(client: Client, key: str) -> set[int]:
+    """The slots in ``key``: the full set, or the empty and lease lists (see NOTE [ Slot states ])."""
+    if client.type(key) == b"list":
+        values = client.lrange(key, 0, -1)
+        assert len(set(values)) == len(values), f"{key} lists a slot twice: {values}"
+        return {int(m) for m in values}
     return {int(m) for m in client.smembers(key)}
+
+
+def count(client: Client, key: str) -> int:
+    return len(members(client, key))
 
 
 def ids(slots: np.ndarray) -> set[int]:
@@ -60,9 +69,10 @@ def fill(store: SlotStore, count: int, proc: str = "w-fill") -> set[int]:
 
 
 # -- packing and keys -----------------------------------------------------------------------------------------
-def test_pack_and_unpack_are_little_endian_int32() -> None:
+def test_pack_is_little_endian_int32_and_unpack_reads_script_replies() -> None:
     assert pack([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
-    assert unpack(pack([0, 7, 2**31 - 1])).tolist() == [0, 7, 2**31 - 1]
+    assert unpack(b"0,7,2147483647").tolist() == [0, 7, 2**31 - 1]
+    assert unpack(b"5").tolist() == [5]
     assert unpack(b"").dtype == np.int32
     assert len(unpack(b"")) == 0
 
@@ -93,17 +103,17 @@ def test_seed_publishes_meta_and_empties_every_slot_once(store: SlotStore, clien
 
 def test_seed_handles_more_slots_than_one_lua_unpack(store: SlotStore, client: Client) -> None:
     seeded(store, 10_001)
-    assert client.scard(KEYS.empty) == 10_001
+    assert count(client, KEYS.empty) == 10_001
     got = store.writer_cycle("w0", NONE, 9_000)
     assert len(ids(got)) == 9_000
     again = store.writer_cycle("w0", got, 9_000)  # publishes 9000 and takes the remaining 1001
-    assert client.scard(KEYS.full) == 9_000
+    assert count(client, KEYS.full) == 9_000
     assert ids(again) == set(range(10_001)) - ids(got)
     batch = store.reader_cycle("r0", NONE, 8_500, 8_500, True)
     assert len(ids(batch)) == 8_500
     assert ids(batch) <= ids(got)
     assert len(store.reader_cycle("r0", batch, 0, 0, True)) == 0
-    assert client.scard(KEYS.empty) == 8_500
+    assert count(client, KEYS.empty) == 8_500
     assert store.evict(np.arange(10_001)) == 500
 
 
@@ -132,7 +142,7 @@ def test_writer_cycle_takes_what_is_left_and_then_nothing(store: SlotStore, clie
     assert len(other) == 1
     assert got.isdisjoint(other)
     assert len(store.writer_cycle("w2", NONE, 3)) == 0
-    assert client.scard(KEYS.empty) == 0
+    assert count(client, KEYS.empty) == 0
     # Publishing frees nothing for writers: full slots go to readers, not back to empty.
     assert len(store.writer_cycle("w1", arr(*other), 3)) == 0
     assert members(client, KEYS.full) == other
@@ -145,7 +155,7 @@ def test_writer_cycle_want_zero_only_publishes(store: SlotStore, client: Client)
     left = store.writer_cycle("w0", got[:1], 0)
     assert ids(left) == ids(got[1:])
     assert members(client, KEYS.full) == {int(got[0])}
-    assert client.scard(KEYS.empty) == 2
+    assert count(client, KEYS.empty) == 2
 
 
 def test_writer_cannot_publish_slots_it_does_not_hold(store: SlotStore, client: Client) -> None:
@@ -156,7 +166,7 @@ def test_writer_cannot_publish_slots_it_does_not_hold(store: SlotStore, client: 
     # w0 reports w1's slots and an empty slot as written: neither moves.
     bogus = arr(*theirs, *empty_before)
     assert ids(store.writer_cycle("w0", bogus, 2)) == mine
-    assert client.scard(KEYS.full) == 0
+    assert count(client, KEYS.full) == 0
     assert members(client, KEYS.lease("w1")) == theirs
     assert members(client, KEYS.empty) == empty_before
 
@@ -169,7 +179,7 @@ def test_lost_writer_reply_retry_returns_the_same_slots(store: SlotStore, client
     retry = store.writer_cycle("w0", first, 3)  # the same call again: nothing is published twice or leaked
     assert ids(retry) == ids(reply)
     assert members(client, KEYS.full) == ids(first)
-    assert client.scard(KEYS.empty) == 4
+    assert count(client, KEYS.empty) == 4
 
 
 # -- readers --------------------------------------------------------------------------------------------------
@@ -177,7 +187,7 @@ def test_reader_waits_for_the_mixing_threshold(store: SlotStore, client: Client)
     seeded(store, 10)
     full = fill(store, 3)
     assert len(store.reader_cycle("r0", NONE, 2, 4, True)) == 0  # 3 full < min_full 4
-    assert client.scard(KEYS.lease("r0")) == 0
+    assert count(client, KEYS.lease("r0")) == 0
     full |= fill(store, 1)
     batch = ids(store.reader_cycle("r0", NONE, 2, 4, True))  # 4 full >= 4
     assert len(batch) == 2
@@ -193,14 +203,14 @@ def test_reader_want_zero_takes_nothing(store: SlotStore, client: Client) -> Non
     seeded(store, 6)
     fill(store, 6)
     assert len(store.reader_cycle("r0", NONE, 0, 0, True)) == 0
-    assert client.scard(KEYS.full) == 6
+    assert count(client, KEYS.full) == 6
 
 
 def test_evict_on_read_returns_read_slots_to_empty(store: SlotStore, client: Client) -> None:
     seeded(store, 8)
     fill(store, 8)
     batch = store.reader_cycle("r0", NONE, 3, 8, True)
-    assert client.scard(KEYS.reading) == 0  # only tracked when reads do not evict
+    assert count(client, KEYS.reading) == 0  # only tracked when reads do not evict
     nxt = store.reader_cycle("r0", batch, 3, 5, True)
     assert members(client, KEYS.empty) == ids(batch)
     assert ids(nxt).isdisjoint(ids(batch))
@@ -217,9 +227,9 @@ def test_reads_without_eviction_return_slots_to_full(store: SlotStore, client: C
     assert members(client, KEYS.full) == set(range(8)) - ids(batch)
     assert len(store.reader_cycle("r0", batch, 0, 8, False)) == 0
     assert members(client, KEYS.full) == set(range(8))
-    assert client.scard(KEYS.reading) == 0
-    assert client.scard(KEYS.empty) == 0
-    assert client.scard(KEYS.lease("r0")) == 0
+    assert count(client, KEYS.reading) == 0
+    assert count(client, KEYS.empty) == 0
+    assert count(client, KEYS.lease("r0")) == 0
 
 
 def test_lost_reader_reply_retry_returns_the_same_batch(store: SlotStore, client: Client) -> None:
@@ -229,30 +239,29 @@ def test_lost_reader_reply_retry_returns_the_same_batch(store: SlotStore, client
     retry = store.reader_cycle("r0", NONE, 4, 4, True)  # called again without releasing anything
     assert len(first) == 4
     assert ids(retry) == ids(first)
-    assert client.scard(KEYS.full) == 8
+    assert count(client, KEYS.full) == 8
     # Returning the batch and asking for the next one, twice: the second call hands back the same next batch
     # and does not return the first batch again.
     nxt = store.reader_cycle("r0", first, 4, 4, True)
     again = store.reader_cycle("r0", first, 4, 4, True)
     assert ids(again) == ids(nxt)
     assert members(client, KEYS.empty) == ids(first)
-    assert client.scard(KEYS.full) == 4
+    assert count(client, KEYS.full) == 4
 
 
-def test_partial_return_keeps_the_rest_of_the_batch(store: SlotStore, client: Client) -> None:
+def test_a_reader_returns_its_whole_batch_and_a_wrong_head_returns_nothing(store: SlotStore, client: Client) -> None:
     seeded(store, 8)
     fill(store, 8)
     batch = store.reader_cycle("r0", NONE, 4, 4, True)
-    rest = store.reader_cycle("r0", batch[:1], 0, 4, True)
-    assert ids(rest) == ids(batch[1:])  # no new batch while one is still leased
-    assert members(client, KEYS.empty) == {int(batch[0])}
-    # Asking for a batch tops the lease up to a whole one.
-    whole = store.reader_cycle("r0", batch[1:2], 4, 4, True)
-    assert len(whole) == 4
-    assert ids(batch[2:]) <= ids(whole)
-    assert ids(whole).isdisjoint(ids(batch[:2]))
-    assert members(client, KEYS.lease("r0")) == ids(whole)
-    assert members(client, KEYS.empty) == ids(batch[:2])
+    # A report that does not start with the lease's head (a stale or foreign batch) releases nothing and hands
+    # the lease back unchanged.
+    other = arr(*(set(range(8)) - ids(batch)))[:1]
+    assert ids(store.reader_cycle("r0", other, 4, 4, True)) == ids(batch)
+    assert count(client, KEYS.empty) == 0
+    # Reporting the batch by its first slot returns all of it, whatever else the report holds.
+    assert len(store.reader_cycle("r0", batch[:1], 0, 4, True)) == 0
+    assert members(client, KEYS.empty) == ids(batch)
+    assert count(client, KEYS.lease("r0")) == 0
 
 
 def test_lost_reply_that_repicked_returned_slots_still_yields_a_whole_batch(store: SlotStore, client: Client) -> None:
@@ -267,8 +276,8 @@ def test_lost_reply_that_repicked_returned_slots_still_yields_a_whole_batch(stor
     assert ids(retry) == {0, 1, 2}  # a whole batch, not just the slot the retry did not return again
     assert members(client, KEYS.lease("r0")) == {0, 1, 2}
     assert members(client, KEYS.reading) == {0, 1, 2}
-    assert client.scard(KEYS.full) == 0
-    assert client.scard(KEYS.empty) == 0
+    assert count(client, KEYS.full) == 0
+    assert count(client, KEYS.empty) == 0
 
 
 def test_reader_cannot_return_slots_it_does_not_hold(store: SlotStore, client: Client) -> None:
@@ -277,7 +286,7 @@ def test_reader_cannot_return_slots_it_does_not_hold(store: SlotStore, client: C
     theirs = store.reader_cycle("r1", NONE, 4, 4, True)
     assert len(store.reader_cycle("r0", theirs, 0, 0, True)) == 0
     assert members(client, KEYS.lease("r1")) == ids(theirs)
-    assert client.scard(KEYS.empty) == 0
+    assert count(client, KEYS.empty) == 0
 
 
 # -- evict ----------------------------------------------------------------------------------------------------
@@ -291,7 +300,7 @@ def test_evict_full_slots_now(store: SlotStore, client: Client) -> None:
     assert members(client, KEYS.full) == full - set(victims)
     assert set(victims) <= members(client, KEYS.empty)
     assert members(client, KEYS.lease("w0")) == writing
-    assert client.scard(KEYS.evict_pending) == 0
+    assert count(client, KEYS.evict_pending) == 0
     assert store.evict(arr(*victims)) == 0  # already empty
 
 
@@ -309,8 +318,8 @@ def test_evict_of_slots_being_read_waits_for_their_reader(store: SlotStore, clie
     assert members(client, KEYS.empty) == {idle, victim}
     assert spared in members(client, KEYS.full)
     assert members(client, KEYS.full) == set(range(8)) - {idle, victim}
-    assert client.scard(KEYS.evict_pending) == 0
-    assert client.scard(KEYS.reading) == 0
+    assert count(client, KEYS.evict_pending) == 0
+    assert count(client, KEYS.reading) == 0
 
 
 def test_evict_with_evict_on_read_only_touches_full_slots(store: SlotStore, client: Client) -> None:
@@ -318,7 +327,7 @@ def test_evict_with_evict_on_read_only_touches_full_slots(store: SlotStore, clie
     fill(store, 6)
     batch = store.reader_cycle("r0", NONE, 2, 2, True)
     assert store.evict(batch) == 0  # nothing deferred: the read itself evicts
-    assert client.scard(KEYS.evict_pending) == 0
+    assert count(client, KEYS.evict_pending) == 0
 
 
 def test_evict_nothing(store: SlotStore) -> None:
@@ -347,7 +356,7 @@ def test_reclaim_of_a_dead_reader_makes_its_batch_full_again(store: SlotStore, c
     batch = store.reader_cycle("r0", NONE, 3, 3, False)
     assert store.reclaim("r0", "reader") == 3  # never delivered: the rows are still good
     assert members(client, KEYS.full) == set(range(8))
-    assert client.scard(KEYS.reading) == 0
+    assert count(client, KEYS.reading) == 0
     assert client.exists(KEYS.lease("r0")) == 0
     assert list(store.processes()) == ["r1"]
     # A late reply from the dead reader's id cannot return slots it no longer holds.
@@ -365,7 +374,7 @@ def test_reclaim_of_a_dead_reader_honours_a_pending_eviction(store: SlotStore, c
     # The evicted slot must not be handed to a reader again: it goes to empty, not back to full.
     assert members(client, KEYS.empty) == {victim}
     assert members(client, KEYS.full) == set(range(8)) - {victim}
-    assert client.scard(KEYS.evict_pending) == 0
+    assert count(client, KEYS.evict_pending) == 0
 
 
 # -- generations and stats ------------------------------------------------------------------------------------
@@ -385,8 +394,8 @@ def test_stale_generation_is_refused_by_every_transition(store: SlotStore, clien
             call()
         assert "GIGASHUFFLE_STALE" in str(info.value), name
     # Nothing moved.
-    assert client.scard(KEYS.full) == 2
-    assert client.scard(KEYS.empty) == 2
+    assert count(client, KEYS.full) == 2
+    assert count(client, KEYS.empty) == 2
 
 
 def test_state_lost_after_flush_is_refused(store: SlotStore, client: Client) -> None:
