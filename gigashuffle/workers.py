@@ -112,10 +112,12 @@ class ChildEnv:
             "owner": self.proc.encode(),
             "nbytes": str(buffer.nbytes).encode(),
         }
-        # Serve before publishing, so whoever reads the meta finds a server.
+        # Listen before publishing, but list the socket in Redis only once the seed is won: a loser's own buffer
+        # must never be handed out (a reader that attached through it would gather zeros forever).
         self.buffer, self.owner = buffer, True
-        self._serve()
+        self._serve(register=False)
         if self.store.seed(self.config.shuffle_size, signed_meta(self.secret, self.spec.generation, fields)):
+            self.register()
             _retitle(" owner")
             return True
         if self.server is not None:
@@ -159,12 +161,13 @@ class ChildEnv:
         self._serve()
         return layout
 
-    def _serve(self) -> None:
+    def _serve(self, register: bool = True) -> None:
         if self.buffer is None or self.buffer.memory.fd is None:
             raise AssertionError("serving a buffer this process does not hold")
         path = attach_socket_path(os.getpid(), self.runtime_dir)
         self.server = AttachServer(path, (self.buffer.memory.fd,), {"nbytes": self.buffer.nbytes})
-        self.register()
+        if register:
+            self.register()
 
 
 def _retitle(suffix: str = "", title: str | None = None) -> None:
