@@ -1,0 +1,151 @@
+"""The core promise of the loader, with real processes and a real Redis: what a batch looks like, that every
+sample is read once, that no row is torn, that held batches are never overwritten, and how the children are
+named."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import (
+    ID_STRIDE,
+    UniqueIds,
+    check_unique_batch,
+    counter_of,
+    take,
+    wait_for,
+    writer_of,
+)
+
+from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
+
+
+def _queue(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def test_batches_are_lists_of_dicts_shaped_like_the_chunks(redis_url: str) -> None:
+    cfg = DataloaderConfig(
+        bs=4, shuffle_size=64, queue_name=_queue("shape"), num_writers=1, num_readers=1, redis_url=redis_url
+    )
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        batches = take(iter(loader), 20)
+        for batch in batches:
+            check_unique_batch(batch, bs=4, shuffle_size=64)
+            index = batch[0][INDEX_KEY]
+            assert len(set(index.tolist())) == 4, "a batch holds distinct slots"
+            assert all(isinstance(t, torch.Tensor) for t in batch[0].values())
+
+
+def test_each_sample_is_read_once_and_no_row_is_torn(redis_url: str) -> None:
+    bs, slots = 16, 128
+    cfg = DataloaderConfig(
+        bs=bs, shuffle_size=slots, queue_name=_queue("once"), num_writers=2, num_readers=2, redis_url=redis_url
+    )
+    seen: set[int] = set()
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        for batch in take(iter(loader), 200):  # 3200 rows, 25x the buffer
+            ids = check_unique_batch(batch, bs, slots)
+            repeated = seen.intersection(ids)
+            assert not repeated, f"ids read twice: {sorted(repeated)[:10]}"
+            assert len(set(ids)) == bs
+            seen.update(ids)
+    assert len(seen) == 200 * bs
+    # Both writers contributed, and each writer's ids are its own counters (get_worker_info().id 0 and 1).
+    assert {int(writer_of(i)) for i in seen} <= {0, 1}
+    assert all(counter_of(i) < ID_STRIDE for i in seen)
+
+
+def test_held_batches_are_never_overwritten(redis_url: str) -> None:
+    """Holding far more batches than the ring has slots: the caller gets copies, never a reused ring slot."""
+    bs, depth = 4, 2
+    cfg = DataloaderConfig(
+        bs=bs,
+        shuffle_size=64,
+        queue_name=_queue("held"),
+        num_writers=1,
+        num_readers=2,
+        ring_depth=depth,
+        redis_url=redis_url,
+    )
+    held: list[tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.Tensor]] = []
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        it = iter(loader)
+        for batch in take(it, 12):  # 12 > readers * ring_depth = 4
+            check_unique_batch(batch, bs, 64)
+            held.append((batch, batch[0]["id"].clone(), batch[0][INDEX_KEY].clone()))
+        # Keep iterating while holding them: readers keep gathering into their rings meanwhile.
+        for batch in take(it, 30):
+            check_unique_batch(batch, bs, 64)
+        for batch, ids, index in held:
+            assert torch.equal(batch[0]["id"], ids), "a held batch was overwritten"
+            assert torch.equal(batch[0][INDEX_KEY], index), "a held batch's index was overwritten"
+            check_unique_batch(batch, bs, 64)
+        all_ids = torch.cat([ids for _, ids, _ in held]).tolist()
+        assert len(set(all_ids)) == len(all_ids)
+    # The views stay readable after close(): the mapping lives as long as a tensor uses it.
+    for batch, ids, _ in held:
+        assert torch.equal(batch[0]["id"], ids)
+
+
+def test_released_batches_let_the_loader_run_on(redis_url: str) -> None:
+    """Dropping each batch at once recycles ring slots: a long run with a tiny ring never stalls."""
+    cfg = DataloaderConfig(
+        bs=4, shuffle_size=64, queue_name=_queue("drop"), num_writers=1, num_readers=1, ring_depth=2,
+        redis_url=redis_url,
+    )  # fmt: skip
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        it = iter(loader)
+        seen: set[int] = set()
+        for _ in range(150):
+            ids = check_unique_batch(take(it, 1)[0], 4, 64)
+            assert not seen.intersection(ids)
+            seen.update(ids)
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def test_children_have_descriptive_process_titles(redis_url: str) -> None:
+    pytest.importorskip("setproctitle")
+    queue = _queue("titles")
+    cfg = DataloaderConfig(
+        bs=4, shuffle_size=64, queue_name=queue, num_writers=2, num_readers=2, global_rank=0, redis_url=redis_url
+    )
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        take(iter(loader), 2)  # the buffer is published: one writer is its owner
+        loader.wait_started()
+        pids = loader.child_pids()
+        assert len(pids["writer"]) == 2 and len(pids["reader"]) == 2 and len(pids["zygote"]) == 1
+
+        def titles() -> dict[str, list[str]]:
+            return {role: sorted(_title(pid) for pid in found) for role, found in pids.items()}
+
+        wait_for(lambda: any("owner" in t for t in titles()["writer"]), "the owner writer's title")
+        found = titles()
+        assert found["zygote"] == [f"gigashuffle zygote {queue} rank=0"]
+        for role in ("writer", "reader"):
+            for i, title in enumerate(found[role]):
+                assert title.startswith(f"gigashuffle {role} {queue} rank=0 proc={i}"), found
+        assert sum("owner" in t for t in found["writer"]) == 1, found
+        assert not any("owner" in t for t in found["reader"]), found
+
+        # The same processes are registered in Redis with their role and rank, and one of them as the owner.
+        # (A writer that lost the race to publish the buffer is registered as owner until it has attached.)
+        def settled() -> dict[str, dict[str, object]] | None:
+            found = loader.processes()
+            pids_found = {info["pid"] for info in found.values()}
+            if not set(pids["writer"] + pids["reader"]) <= pids_found:
+                return None  # a child that has not started its loop yet
+            return found if sum(bool(info.get("owner")) for info in found.values()) == 1 else None
+
+        registered = wait_for(settled, "every child registered, one of them as the owner")
+        by_pid = {info["pid"]: info for info in registered.values()}
+        for role in ("writer", "reader"):
+            for pid in pids[role]:
+                assert by_pid[pid]["role"] == role and by_pid[pid]["rank"] == 0
+        owner = next(info for info in registered.values() if info.get("owner"))
+        assert owner["role"] == "writer" and "owner" in _title(owner["pid"])
