@@ -110,7 +110,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
     trainer = Channel(socket.socket(fileno=int(argv[0])))
     preparation: dict[str, Any]
-    preparation, _ = trainer.recv()
+    try:
+        preparation, _ = trainer.recv()
+    except (ChannelClosed, OSError):
+        return 0  # the loader was closed before it told us anything
     title = preparation.pop("gigashuffle_title", "gigashuffle zygote")
     try:
         import setproctitle
@@ -125,10 +128,19 @@ def main(argv: list[str]) -> int:
 
     from . import workers  # noqa: F401
 
-    trainer.send(("ready", os.getpid()))
+    try:
+        trainer.send(("ready", os.getpid()))
+    except OSError:
+        return 0  # the loader was closed while we started: nothing to serve
     serve(trainer)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Skip interpreter teardown: with torch imported it takes 1-2 s on a busy machine, and the zygote must be gone
+    # as soon as its children are (a SIGKILLed trainer's processes all go within 2 s; close() waits for us).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
