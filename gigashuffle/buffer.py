@@ -30,6 +30,22 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``uint8 [n, row_bytes]``) as the widest integer type that tiles a row.
+
+    torch's ``index_copy_`` moves one element at a time: on 8-byte elements it is 5-10x faster than on bytes
+    (measured: 64 rows of 150 KB, 26 ms as uint8, 2.5 ms as int64). A tensor whose offset does not allow the
+    wider view (a user's odd slice) stays as bytes.
+    """
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[-1] % dtype.itemsize == 0:
+            try:
+                return rows.view(dtype)
+            except RuntimeError:
+                continue
+    return rows
+
+
 class SharedMemory:
     """One anonymous shared mapping. ``fd`` stays open only while this process may hand it to others."""
 
@@ -90,12 +106,17 @@ class SlotBuffer:
             self.memory.view(off, slots * spec.row_bytes).view(slots, spec.row_bytes)
             for off, spec in zip(offsets, layout.fields, strict=True)
         ]
+        self._wide_regions = [wide(region) for region in self.regions]
 
     def write(self, slot_ids: torch.Tensor, rows: Sequence[torch.Tensor], start: int) -> None:
         """Copy ``rows[f][start : start + len(slot_ids)]`` into the given slots, one op per field."""
         end = start + len(slot_ids)
-        for region, src in zip(self.regions, rows, strict=True):
-            region.index_copy_(0, slot_ids, src[start:end])
+        for region, wide_region, src in zip(self.regions, self._wide_regions, rows, strict=True):
+            part = wide(src[start:end])
+            if part.dtype == wide_region.dtype:
+                wide_region.index_copy_(0, slot_ids, part)
+            else:
+                region.index_copy_(0, slot_ids, src[start:end])
 
     def gather(self, slot_ids: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
         """Copy the given slots into ``out`` (one ``[len(slot_ids), row_bytes]`` tensor per field)."""
@@ -107,6 +128,7 @@ class SlotBuffer:
 
     def close(self) -> None:
         self.regions = []
+        self._wide_regions = []
         self.memory.close()
 
 
