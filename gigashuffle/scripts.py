@@ -62,11 +62,15 @@ SEED = (
     _PRELUDE
     + """
 -- KEYS: gen, meta, empty
--- ARGV: gen, slots, then meta field/value pairs
--- Publishes the buffer once per session: the first writer with a chunk wins; returns 1 if it won, 0 if not.
+-- ARGV: gen, slots, owner, then meta field/value pairs
+-- Publishes the buffer once per session: the first writer with a chunk wins; returns 1 if it won (also when a
+-- retry finds its own earlier win), 0 if not.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  if redis.call('HGET', KEYS[2], 'owner') == ARGV[3] then return 1 end
+  return 0
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
 local slots = tonumber(ARGV[2])
 for first = 0, slots - 1, 4000 do
   local ids = {}

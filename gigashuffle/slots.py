@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from . import scripts
 from .keys import QueueKeys
-from .redisconn import Client, translate_errors
+from .redisconn import Client, address, translate_errors
 
 SlotIds = npt.NDArray[np.int32]
 _NO_SLOTS: SlotIds = np.empty(0, dtype=np.int32)
@@ -59,6 +59,7 @@ class SlotStore:
         self.client = client
         self.keys = keys
         self.generation = generation
+        self._where = address(client)
         # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT).
         self._seed = client.register_script(scripts.SEED)
         self._writer = client.register_script(scripts.WRITER_CYCLE)
@@ -72,7 +73,7 @@ class SlotStore:
         self._drop_stale = client.register_script(scripts.DROP_STALE_CLAIM)
 
     def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        with translate_errors():
+        with translate_errors(self._where):
             return script(keys=keys, args=args)
 
     # -- writers ---------------------------------------------------------------------------------------------
@@ -80,7 +81,8 @@ class SlotStore:
         """Publish the buffer's metadata and mark every slot empty; False if another process already did."""
         pairs: list[Any] = [x for item in meta.items() for x in item]
         k = self.keys
-        return bool(self._run(self._seed, [k.gen, k.meta, k.empty], [self.generation, slots, *pairs]))
+        owner = meta.get("owner", b"")
+        return bool(self._run(self._seed, [k.gen, k.meta, k.empty], [self.generation, slots, owner, *pairs]))
 
     def writer_cycle(self, proc: str, written: SlotIds, want: int) -> SlotIds:
         k = self.keys
@@ -110,11 +112,11 @@ class SlotStore:
         return int(self._run(self._reclaim, keys, [self.generation, proc, role]))
 
     def register(self, proc: str, info: dict[str, Any]) -> None:
-        with translate_errors():
+        with translate_errors(self._where):
             self.client.hset(self.keys.procs, proc, json.dumps(info))
 
     def processes(self) -> dict[str, dict[str, Any]]:
-        with translate_errors():
+        with translate_errors(self._where):
             raw = self.client.hgetall(self.keys.procs)
         return {text(k): json.loads(v) for k, v in raw.items()}
 
@@ -124,13 +126,13 @@ class SlotStore:
         return gen, int(full), int(empty), int(procs)
 
     def meta(self) -> dict[str, bytes]:
-        with translate_errors():
+        with translate_errors(self._where):
             raw = self.client.hgetall(self.keys.meta)
         return {text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
 
     # -- trainers --------------------------------------------------------------------------------------------
     def _session_keys(self) -> list[str]:
-        with translate_errors():
+        with translate_errors(self._where):
             procs = [text(p) for p in self.client.hkeys(self.keys.procs)]
         fixed = [key for key in self.keys.fixed() if key not in (self.keys.gen, self.keys.conf)]
         return fixed + [self.keys.lease(p) for p in procs]

@@ -63,18 +63,12 @@ def test_redis_restart_mid_run(chaos: Any, redis_server: Any, redis_url: str, se
     chaos.finish(outcome, detect_s=detect_s, **extra)
 
 
-_HANGS = pytest.mark.xfail(strict=True, reason=(
-    "redisconn.connect() uses a fixed 5 s socket timeout per attempt (and a fixed 2 s connect timeout) and sizes "
-    "the retry count as if an attempt cost 1.5 s: a server that accepts but never answers costs 3 attempts x 5 s "
-    "= ~15 s with redis_timeout_s=2, so redis_timeout_s does not bound the wait"))  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("case", "seed"),
     [
         *(("connection refused", seed) for seed in range(3)),
         *(("missing unix socket", seed) for seed in range(3)),
-        pytest.param("server accepts but never answers (SIGSTOP)", 1, marks=_HANGS),
+        ("server accepts but never answers (SIGSTOP)", 1),
     ],
 )
 def test_redis_unreachable_at_start(chaos: Any, redis_server: Any, case: str, seed: int) -> None:
