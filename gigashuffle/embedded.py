@@ -91,7 +91,8 @@ def _client(path: Path) -> redis.Redis:
     )
 
 
-def _answers(path: Path) -> bool:
+def answers(path: Path) -> bool:
+    """Whether a server answers PING on the unix socket ``path``."""
     if not path.exists():
         return False
     client = _client(path)
@@ -116,7 +117,7 @@ def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
         start_new_session=True,  # a Ctrl-C in the terminal is the trainer's to handle, not the server's
     )
     deadline = time.monotonic() + _START_TIMEOUT_S
-    while not _answers(path):
+    while not answers(path):
         if process.poll() is not None:
             raise GigashuffleError(f"the embedded Redis server exited with code {process.returncode} at start")
         if time.monotonic() > deadline:
@@ -133,7 +134,7 @@ def acquire(node: str) -> EmbeddedServer:
     path = directory / f"redis-{node}.sock"
     token = f"{os.getpid()}:{uuid.uuid4().hex}"
     with _node_lock(directory, node):
-        process = None if _answers(path) else _start(path, directory)
+        process = None if answers(path) else _start(path, directory)
         client = _client(path)
         try:
             client.sadd(USERS_KEY, token)
@@ -161,11 +162,11 @@ def release(server: EmbeddedServer) -> None:
         except redis.RedisError as exc:
             # Its starter died and took it along: nobody else removes the socket file it leaves behind.
             log.warning("embedded Redis at %s did not answer at release: %s", server.socket_path, exc)
-            if not _answers(server.socket_path):
+            if not answers(server.socket_path):
                 remove_socket(server.socket_path)
         finally:
             client.close()
-        if server.process is not None and server.process.poll() is None and not _answers(server.socket_path):
+        if server.process is not None and server.process.poll() is None and not answers(server.socket_path):
             server.process.wait(timeout=10)
     if server.process is not None and server.process.poll() is not None:
         remove_socket(server.socket_path)

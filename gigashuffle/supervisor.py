@@ -30,7 +30,7 @@ from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .errors import GigashuffleError, QueueStateLostError, WorkerDied
 from .procs import ChildProcess, Zygote
-from .redisconn import Client, connect
+from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
 from .session import NodeSession
@@ -235,10 +235,18 @@ class Supervisor:
 
     def _closing_store(self) -> SlotStore | None:
         """A client with a short retry budget: close() must not wait out redis_timeout_s on a dead server."""
+        if self.server is not None and not embedded.answers(self.server.socket_path):
+            log.warning("the embedded Redis of %s is gone (its starter died); nothing to clean in it", self.config.node)
+            return None
+        client = None
         try:
             client = connect(self.redis_url, _CLOSE_REDIS_BUDGET_S)
+            with translate_errors(self.redis_url):
+                client.ping()
         except GigashuffleError as exc:
             log.warning("Redis does not answer at close (%s); the next session of this queue cleans up", exc)
+            if client is not None:
+                client.close()
             return None
         return SlotStore(client, self.session.store.keys, self.session.store.generation)
 

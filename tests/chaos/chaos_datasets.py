@@ -105,7 +105,10 @@ class ChaosDataset(IterableDataset):  # type: ignore[type-arg]
         if self.mark_dir is not None:
             path = Path(self.mark_dir) / f"fault-{os.getpid()}"
             if not path.exists():
-                path.write_text(repr(time.time()))
+                # Atomic: the test may read the directory while a second writer is still writing its stamp.
+                partial = path.parent / f".{path.name}.tmp"  # not matched by the test's fault-* glob
+                partial.write_text(repr(time.time()))
+                partial.replace(path)
 
     # -- the gate ---------------------------------------------------------------------------------------------
     def _wait_at_gate(self) -> None:

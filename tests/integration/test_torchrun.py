@@ -188,9 +188,10 @@ def _assert_result(path: Path, agents: list[Agent], queue: str, world: int, loca
     assert result["world_size"] == world
     assert result["local_world_size"] == local_world
     assert [r["rank"] for r in result["ranks"]] == list(range(world))
-    assert all(r["batches"] == BATCHES for r in result["ranks"])
+    # A rank reads at least BATCHES, and on until it has seen rows of every writer of its node (torchrun_job.py).
+    assert all(r["batches"] >= BATCHES for r in result["ranks"])
     assert all(r["num_workers"] == [world * result["num_writers"]] for r in result["ranks"])
-    assert result["unique_ids"] == result["total_rows"] == world * BATCHES * 8
+    assert result["unique_ids"] == result["total_rows"] == sum(r["batches"] for r in result["ranks"]) * 8
     for r in result["ranks"]:
         assert r["node"] == f"n{r['rank'] // local_world}"
         assert r["key_tag"] == f"gigashuffle:{{{queue}@{r['node']}}}"

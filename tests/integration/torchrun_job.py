@@ -118,6 +118,10 @@ def _meta_owner(loader: MultiprocessShuffledDataloader) -> str:
     return owner.decode() if isinstance(owner, bytes) else str(owner)
 
 
+def _writers_seen(ids: list[torch.Tensor]) -> set[int]:
+    return set((torch.cat(ids) >> 32).unique().tolist()) if ids else set()
+
+
 def _check(gathered: list[dict], world: int, local_world: int, num_writers: int) -> list[str]:
     """Every invariant of the job, on rank 0; returns the violations (empty when all hold)."""
     errors: list[str] = []
@@ -180,6 +184,8 @@ def main(argv: list[str]) -> int:
         ids: list[torch.Tensor] = []
         torn, torn_example, num_workers = 0, None, set()
         batches = 0
+        node_first = (rank // local_world) * local_world * args.num_writers
+        node_writers = set(range(node_first, node_first + local_world * args.num_writers))
         for batch in loader:
             group = batch[0]
             bid, bcheck, bx = group["id"], group["check"], group["x"]
@@ -195,7 +201,9 @@ def main(argv: list[str]) -> int:
                 started = loader._sup.server is not None and loader._sup.server.process is not None
                 info = {"pid": os.getpid(), "rank": rank, "started_embedded_server": started}
                 _atomic_write(Path(args.pid_dir) / f"rank-{rank}.json", json.dumps(info))
-            if args.batches and batches >= args.batches:
+            if args.batches and batches >= args.batches and node_writers <= _writers_seen(ids):
+                # Read on until rows of every writer of the node showed up: a writer whose rank started late
+                # (a loaded machine) has then written into the shared buffer too, so the sharing check holds.
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank} read {batches} batches and hit --max-seconds={args.max_seconds}")
