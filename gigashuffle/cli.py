@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,15 +21,22 @@ def _scan(client: Client, pattern: str) -> list[str]:
     return sorted({text(k) for k in client.scan_iter(match=pattern, count=1000)})
 
 
-def queue_rows(client: Client) -> list[dict[str, Any]]:
-    """One row per queue and node found on the server."""
+def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
+    """One row per queue and node found on the server; rates are measured over ``interval_s``."""
+    stores = [
+        SlotStore(client, QueueKeys(*parsed))
+        for meta_key in _scan(client, META_PATTERN)
+        if (parsed := QueueKeys.parse_tag(meta_key)) is not None
+    ]
+    before = [store.counters() for store in stores]
+    started = time.monotonic()
+    if stores and interval_s > 0:
+        time.sleep(interval_s)
+    elapsed = max(time.monotonic() - started, 1e-9)
     rows = []
-    for meta_key in _scan(client, META_PATTERN):
-        parsed = QueueKeys.parse_tag(meta_key)
-        if parsed is None:
-            continue
-        keys = QueueKeys(*parsed)
-        store = SlotStore(client, keys)
+    for store, (written_before, read_before) in zip(stores, before, strict=True):
+        keys = store.keys
+        written, read = store.counters()
         gen, full, empty, procs = store.stats()
         size = int(store.meta().get("slots", b"0"))
         ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
@@ -42,6 +50,8 @@ def queue_rows(client: Client) -> list[dict[str, Any]]:
                 "in_flight": max(size - full - empty, 0),
                 "ranks": ranks,
                 "processes": procs,
+                "written_per_s": round((written - written_before) / elapsed) if interval_s > 0 else None,
+                "read_per_s": round((read - read_before) / elapsed) if interval_s > 0 else None,
                 "generation": text(gen) if gen else "",
             }
         )
@@ -59,16 +69,18 @@ def stats_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="gigashuffle stats", description="List every queue on a Redis server.")
     parser.add_argument("--redis-url", default=None, help="default: $GIGASHUFFLE_REDIS_URL or this node's embedded")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds to measure rows/s over (0: no rates)")
     args = parser.parse_args(argv)
     client = connect(args.redis_url or _default_url(), total_timeout_s=5.0)
     try:
-        rows = queue_rows(client)
+        rows = queue_rows(client, args.interval)
     finally:
         client.close()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    columns = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "generation"]
+    columns = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "written_per_s",
+               "read_per_s", "generation"]  # fmt: skip
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:

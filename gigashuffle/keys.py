@@ -62,6 +62,11 @@ class QueueKeys:
         """Hash: process id -> JSON (role, rank, index, pid, host, attach socket)."""
         return self._key("procs")
 
+    @property
+    def counters(self) -> str:
+        """Hash: rows ``written`` and ``read`` this session, for rates in ``gigashuffle stats``."""
+        return self._key("counters")
+
     def lease(self, proc: str) -> str:
         """Set of the slots process ``proc`` holds (writing or reading)."""
         return self._key(f"lease:{proc}")
@@ -81,6 +86,7 @@ class QueueKeys:
             self.reading,
             self.evict_pending,
             self.procs,
+            self.counters,
         ]
 
     @staticmethod

@@ -84,13 +84,15 @@ return 1
 WRITER_CYCLE = (
     _PRELUDE
     + """
--- KEYS: gen, empty, full, lease
+-- KEYS: gen, empty, full, lease, counters
 -- ARGV: gen, how many slots at the head of the lease were written, the first of them, empty slots wanted
 -- Publishes the written slots, then returns the lease topped up to the wanted count from empty.
 local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
 local written = tonumber(ARGV[2])
 if written > 0 and redis.call('LINDEX', KEYS[4], 0) == ARGV[3] then
-  each_slice('SADD', KEYS[3], redis.call('LPOP', KEYS[4], written))
+  local done = redis.call('LPOP', KEYS[4], written)
+  each_slice('SADD', KEYS[3], done)
+  redis.call('HINCRBY', KEYS[5], 'written', #done)
 end
 local want = tonumber(ARGV[4])
 local held = redis.call('LLEN', KEYS[4])
@@ -105,7 +107,7 @@ return table.concat(redis.call('LRANGE', KEYS[4], 0, -1), ',')
 READER_CYCLE = (
     _PRELUDE
     + """
--- KEYS: gen, empty, full, lease, reading, evict
+-- KEYS: gen, empty, full, lease, reading, evict, counters
 -- ARGV: gen, first slot of the batch read since the last call ('' if none), batch size wanted (0: none),
 --       full slots needed, evict flag
 -- Returns the batch read to empty (evict_on_read) or to full (less slots evict() marked meanwhile, which go to
@@ -115,6 +117,7 @@ local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
 if ARGV[2] ~= '' and redis.call('LINDEX', KEYS[4], 0) == ARGV[2] then
   local done = redis.call('LRANGE', KEYS[4], 0, -1)
   redis.call('DEL', KEYS[4])
+  redis.call('HINCRBY', KEYS[7], 'read', #done)
   if ARGV[5] == '1' then
     each_slice('RPUSH', KEYS[2], done)
   else

@@ -88,14 +88,14 @@ class SlotStore:
         k = self.keys
         first = int(written[0]) if len(written) else ""
         args = [self.generation, len(written), first, want]
-        return unpack(self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc)], args))
+        return unpack(self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc), k.counters], args))
 
     # -- readers ---------------------------------------------------------------------------------------------
     def reader_cycle(self, proc: str, done: SlotIds, want: int, min_full: int, evict_on_read: bool) -> SlotIds:
         k = self.keys
         reply = self._run(
             self._reader,
-            [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.evict_pending],
+            [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.evict_pending, k.counters],
             [self.generation, int(done[0]) if len(done) else "", want, min_full, "1" if evict_on_read else "0"],
         )
         return unpack(reply)
@@ -124,6 +124,12 @@ class SlotStore:
         k = self.keys
         gen, full, empty, procs = self._run(self._stats, [k.gen, k.full, k.empty, k.procs], [])
         return gen, int(full), int(empty), int(procs)
+
+    def counters(self) -> tuple[int, int]:
+        """Rows ``(written, read)`` this session."""
+        with translate_errors(self._where):
+            written, read = self.client.hmget(self.keys.counters, ["written", "read"])
+        return int(written or 0), int(read or 0)
 
     def meta(self) -> dict[str, bytes]:
         with translate_errors(self._where):
