@@ -14,6 +14,7 @@ import redis
 from datasets import UniqueIds, check_unique_batch, take, wait_for
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.embedded import answers
 
 ENV = "GIGASHUFFLE_REDIS_URL"
 
@@ -24,18 +25,6 @@ def _config(tag: str, **overrides: Any) -> DataloaderConfig:
     )
     settings.update(overrides)
     return DataloaderConfig(**settings)
-
-
-def _answers(socket_path: Path) -> bool:
-    if not socket_path.exists():
-        return False
-    client = redis.Redis(unix_socket_path=str(socket_path), socket_timeout=2, socket_connect_timeout=1)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
 
 
 def _servers(socket_path: Path) -> list[psutil.Process]:
@@ -63,7 +52,7 @@ def test_embedded_server_is_started_shared_and_stopped(runtime_dir: Path) -> Non
     second = None
     try:
         assert first.redis_url == f"unix://{socket_path}"
-        assert socket_path.exists() and _answers(socket_path)
+        assert socket_path.exists() and answers(socket_path)
         assert socket_path.stat().st_mode & 0o077 == 0, "the socket is private to this user"
         servers = _servers(socket_path)
         assert len(servers) == 1
@@ -78,13 +67,13 @@ def test_embedded_server_is_started_shared_and_stopped(runtime_dir: Path) -> Non
 
         # The loader that started the server closes first: the server stays for the other one.
         first.close()
-        assert _answers(socket_path)
+        assert answers(socket_path)
         assert [p.pid for p in _servers(socket_path)] == [server_pid]
         check_unique_batch(take(iter(second), 1)[0], 4, 64)
 
         second.close()
         wait_for(lambda: not _servers(socket_path), "the embedded server to exit")
-        assert not _answers(socket_path)
+        assert not answers(socket_path)
         wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
     finally:
         first.close()
@@ -99,7 +88,7 @@ def test_a_new_server_starts_after_the_last_one_stopped(runtime_dir: Path) -> No
         take(iter(loader), 1)
     wait_for(lambda: not _servers(socket_path), "the embedded server to exit")
     with MultiprocessShuffledDataloader(UniqueIds(), _config("emb-2")) as loader:
-        assert _answers(socket_path)
+        assert answers(socket_path)
         check_unique_batch(take(iter(loader), 1)[0], 4, 64)
 
 
