@@ -16,7 +16,9 @@ unpacks a slot id in Lua. Slot ids come back to the client as one comma-separate
 A call that finds its lease head is not ``s`` commits nothing: that is what makes a retried call (redis-py
 retries after a lost reply) harmless, since the first execution already moved slot ``s`` out of the lease and
 no other slot of the same call can bring it back to the head. Each cycle then hands back what the lease still
-holds before topping it up, so a retry returns the same slots instead of leaking them. Every script checks the
+holds before topping it up, so a retry returns the same slots instead of leaking them. (One exception: with
+evict_on_read=False a reader's returned batch goes back to ``full``, a new batch may start with the same slot, and
+a retry then returns that batch and hands out another whole one; no slot is lost or read twice.) Every script checks the
 generation (``ARGV[1]`` against ``KEYS[1]``): after a Redis restart or a new node session, a stale process gets
 ``GIGASHUFFLE_STALE`` instead of touching slots it no longer owns.
 """
