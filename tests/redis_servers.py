@@ -171,7 +171,29 @@ class _PortTaken(RuntimeError):
     pass
 
 
-class RedisServer:
+class _Revivable:
+    """``ensure_running`` for both server kinds: each supplies ``_paused``, ``resume``, ``is_running``, ``restart``."""
+
+    _paused: bool
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        raise NotImplementedError
+
+    def ensure_running(self) -> None:
+        """Undo whatever a previous test did (pause, kill) so the next test gets a working server."""
+        if self._paused:
+            self.resume()
+        if not self.is_running():
+            self.restart()
+
+
+class RedisServer(_Revivable):
     """One server process on a free loopback TCP port and a private (0700) unix socket.
 
     Started by the constructor and ready (answers PING on both listeners) when it returns. Persistence is off
@@ -399,13 +421,6 @@ class RedisServer:
         self._paused = False
         self._wait_ready(proc, self.port, time.monotonic() + self.start_timeout_s)
 
-    def ensure_running(self) -> None:
-        """Undo whatever a previous test did (pause, kill) so the next test gets a working server."""
-        if self._paused:
-            self.resume()
-        if not self.is_running():
-            self.restart()
-
     def stop(self) -> None:
         """Shut the server down and remove its files. Safe to call more than once."""
         self._reap(kill=False)
@@ -531,7 +546,7 @@ class RedisCluster:
         self.stop()
 
 
-class ContainerRedisServer:
+class ContainerRedisServer(_Revivable):
     """Redis in a Docker container (testcontainers), used when a Docker engine answers.
 
     Runs the upstream ``redis`` image, i.e. real Redis rather than Valkey. The host port is bound explicitly
@@ -621,12 +636,6 @@ class ContainerRedisServer:
         self._container.get_wrapped_container().unpause()
         self._paused = False
         self._wait_ready()
-
-    def ensure_running(self) -> None:
-        if self._paused:
-            self.resume()
-        if not self.is_running():
-            self.restart()
 
     def stop(self) -> None:
         """Remove the container (forcibly, so a paused one goes too). Safe to call more than once."""
