@@ -1,8 +1,9 @@
 """The writer loop: pull chunks from the dataset, copy their rows into empty slots, publish them.
 
 NOTE [ Writer cycle ]
-One round trip per chunk in steady state: the slots written for chunk ``i`` are published by the same script
-call that leases empty slots for chunk ``i + 1`` (``WRITER_CYCLE``), made once chunk ``i + 1`` is in hand. When
+Two round trips per chunk in steady state: one ``WRITER_CYCLE`` call leases empty slots for the chunk in hand,
+and one publishes them as soon as the rows are copied. (Publishing with the next chunk's lease saved a call, but
+kept a chunk invisible for as long as the dataset took to produce the next one, forever for a finite source.) When
 fewer empty slots are free than the chunk has rows, the writer copies what fits and asks again, backing off from
 0.5 ms while nothing is free. Rows are copied with one ``index_copy_`` per field.
 """
@@ -145,5 +146,9 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             buffer.write(torch.from_numpy(use.astype(np.int64)), as_bytes, done)
             written = use
             done += len(use)
+        # Publish the chunk now rather than with the next chunk's lease: a dataset that waits for data (or has
+        # none left) must not keep rows it already wrote invisible to the readers.
+        env.store.writer_cycle(env.proc, written, 0)
+        written = _NO_SLOTS
         _handle_control(env, chunks)
         chunk = chunks.next()

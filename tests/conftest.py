@@ -18,6 +18,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import leaks  # noqa: E402
 from redis_servers import ManagedRedis, RedisCluster, find_server_binary, start_redis  # noqa: E402
 
 RUNTIME_DIR_ENV = "GIGASHUFFLE_RUNTIME_DIR"
@@ -37,6 +38,13 @@ def _private_dir(prefix: str) -> Path:
     # mkdtemp makes the directory 0700. It lives directly in the temp dir rather than under tmp_path so that
     # unix socket paths inside it stay well below the 107-byte sun_path limit.
     return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _adopt_orphans() -> None:
+    """Orphaned grandchildren (a child's child whose parent died) are reparented to this test process instead of
+    init, so the leak checks still see them while they live (tests/leaks.py)."""
+    leaks.become_subreaper()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -46,13 +46,27 @@ DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"
 # Buffers and rings are anonymous memfds (no /dev/shm name); anything named like us there would be a leak. Other
 # engineers' jobs share /dev/shm, so a wider pattern would count their files as ours.
 SHM_PATTERN = "*gigashuffle*"
-LEAK_FIELDS = ("shm", "semaphores", "fds", "children", "sockets", "redis_keys")
+LEAK_FIELDS = ("shm", "semaphores", "fds", "children", "sockets", "redis_keys", "mappings")
 TRAINER_SCRIPT = Path(__file__).with_name("trainer_script.py")
 NEXT_TIMEOUT_S = 60.0  # one next() call, zygote start-up (an interpreter plus import torch) included
 
 
+RUN_ENV = "GIGASHUFFLE_CHAOS_RUN"
+
+
 def report_path() -> Path:
     return Path(os.environ.get(REPORT_ENV, DEFAULT_REPORT))
+
+
+def run_id() -> str:
+    """Which pytest run a record belongs to: set once by the controller, inherited by xdist workers.
+
+    Runs append to one report and never truncate it, so a second pytest started while a first one is still
+    going (or after it) adds its lines beside the first one's instead of wiping them.
+    """
+    if RUN_ENV not in os.environ:
+        os.environ[RUN_ENV] = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    return os.environ[RUN_ENV]
 
 
 # -- bounded waits -------------------------------------------------------------------------------------------
@@ -233,7 +247,7 @@ class Chaos:
         self.loaders: list[MultiprocessShuffledDataloader] = []
         self.threads: list[Worker] = []
         self.before: leaks.Snapshot | None = None
-        self.record: dict[str, Any] = {"nodeid": request.node.nodeid, "host": socket.gethostname()}
+        self.record: dict[str, Any] = {"nodeid": request.node.nodeid, "host": socket.gethostname(), "run": run_id()}
         self.started = time.monotonic()
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -435,10 +449,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # -- the report --------------------------------------------------------------------------------------------
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "chaos: failure injection")
-    if hasattr(config, "workerinput"):
-        return  # an xdist worker: the controller starts the report
-    with contextlib.suppress(OSError):
-        report_path().write_text("")
+    if not hasattr(config, "workerinput"):
+        run_id()  # the controller names the run before xdist starts its workers, which inherit the name
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -447,7 +459,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = report_path()
     with contextlib.suppress(OSError):
         if path.exists() and path.stat().st_size:
-            path.with_suffix(".md").write_text(markdown_report(path))
+            path.with_suffix(".md").write_text(markdown_report(path, run_id()))
 
 
 def _span(values: list[float]) -> str:
@@ -457,18 +469,19 @@ def _span(values: list[float]) -> str:
     return f"{low:.2f} s" if abs(high - low) < 0.005 else f"{low:.2f}-{high:.2f} s"
 
 
-def markdown_report(path: Path) -> str:
-    """The records of ``path`` (the last one per test) as a table: scenario | seeds | outcome | leaks."""
+def markdown_report(path: Path, run: str | None = None) -> str:
+    """The records of run ``run`` in ``path`` (or of every run; the last one per test) as a table."""
     records: dict[str, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         with contextlib.suppress(ValueError):
             rec = json.loads(line)
-            records[rec["nodeid"]] = rec
+            if run is None or rec.get("run") == run:
+                records[rec["nodeid"]] = rec
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rec in records.values():
         groups.setdefault((rec["scenario"], rec["case"]), []).append(rec)
     lines = [
-        "| scenario | case | seeds | outcome | leak figures (shm, sem, fds, procs, sockets, keys) |",
+        "| scenario | case | seeds | outcome | leak figures (shm, sem, fds, procs, sockets, keys, memfd maps) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for (scenario, case), recs in sorted(groups.items()):

@@ -93,6 +93,26 @@ class SlowUniqueIds(UniqueIds):
             yield chunk
 
 
+class FiniteUniqueIds(UniqueIds):
+    """Exactly ``rows`` unique ids per writer (counters ``0 .. rows - 1``), then nothing more, ever.
+
+    Ending the iterator would start another pass with the same ids, so the writer parks in ``__iter__`` instead
+    (in short sleeps, until its loader kills it at close): what it wrote is then a known, finite set, and a test
+    can check that every row written was delivered.
+    """
+
+    def __init__(self, rows: int, chunk: int = 8, base: int = 0) -> None:
+        if rows % chunk:
+            raise ValueError(f"rows={rows} must be a multiple of chunk={chunk}")
+        super().__init__(chunk, base)
+        self.rows = rows
+
+    def __iter__(self) -> Iterator[Chunk]:
+        yield from itertools.islice(super().__iter__(), self.rows // self.chunk)
+        while True:
+            time.sleep(0.05)
+
+
 # -- training context and worker info --------------------------------------------------------------------------
 
 

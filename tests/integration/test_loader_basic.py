@@ -11,6 +11,7 @@ import pytest
 import torch
 from datasets import (
     ID_STRIDE,
+    FiniteUniqueIds,
     UniqueIds,
     check_unique_batch,
     counter_of,
@@ -56,6 +57,33 @@ def test_each_sample_is_read_once_and_no_row_is_torn(redis_url: str) -> None:
     # Both writers contributed, and each writer's ids are its own counters (get_worker_info().id 0 and 1).
     assert {int(writer_of(i)) for i in seen} <= {0, 1}
     assert all(counter_of(i) < ID_STRIDE for i in seen)
+
+
+@pytest.mark.parametrize("num_readers", [1, 2])
+def test_every_row_written_is_delivered_exactly_once(redis_url: str, num_readers: int) -> None:
+    """Nothing lost, nothing doubled: two writers write a known, finite set of rows (11x the buffer); reading
+    until that many rows came must yield exactly that set."""
+    bs, slots, per_writer = 16, 96, 528  # 1056 rows = 66 batches
+    cfg = DataloaderConfig(
+        bs=bs,
+        shuffle_size=slots,
+        queue_name=_queue("lossless"),
+        num_writers=2,
+        num_readers=num_readers,
+        min_mixing=0.0,  # read down to the last bs rows: the tail of a finite set must come out too
+        redis_url=redis_url,
+    )
+    written = {w * ID_STRIDE + c for w in (0, 1) for c in range(per_writer)}
+    delivered: list[int] = []
+    with MultiprocessShuffledDataloader(FiniteUniqueIds(per_writer, chunk=8), cfg) as loader:
+        for batch in take(iter(loader), len(written) // bs):
+            delivered.extend(check_unique_batch(batch, bs, slots))
+        stats = loader.stats()
+    doubled = len(delivered) - len(set(delivered))
+    lost = sorted(written - set(delivered))
+    stray = sorted(set(delivered) - written)
+    assert (doubled, lost[:10], stray[:10]) == (0, [], []), f"{doubled} doubled, {len(lost)} lost, {len(stray)} stray"
+    assert stats.full == 0, stats  # every written row left the buffer
 
 
 def test_held_batches_are_never_overwritten(redis_url: str) -> None:

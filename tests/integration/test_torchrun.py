@@ -50,13 +50,41 @@ class Agent:
     node_rank: int
     proc: subprocess.Popen[bytes]
     log: Path
+    rank_log_dir: Path
 
     def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        """The agent's own last lines, then each rank's last lines of stderr and stdout (its traceback)."""
+        parts = [
+            f"--- torchrun agent of node {self.node_rank} (exit {self.proc.poll()}): {self.log}",
+            _tail(self.log, lines),
+        ]
+        # torchrun --log-dir D --tee 3 writes D/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log
+        for stream in sorted(self.rank_log_dir.glob("*/attempt_*/*/std*.log")):
+            local_rank = stream.parent.name
+            parts.append(f"--- node {self.node_rank} local rank {local_rank} {stream.name}: {stream}")
+            parts.append(_tail(stream, lines))
+        return "\n".join(parts)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def _logs(agents: list[Agent]) -> str:
+    return "\n".join(a.tail() for a in agents)
+
+
+@contextlib.contextmanager
+def _logs_on_timeout(agents: list[Agent]) -> Iterator[None]:
+    """A missed deadline shows what every rank printed so far."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n{_logs(agents)}") from exc
 
 
 def _env() -> dict[str, str]:
@@ -77,6 +105,7 @@ def _launch(
     nproc: int = 2,
     master_port: int | None = None,
 ) -> Agent:
+    rank_log_dir = tmp / f"ranks-node{node_rank}"
     if nnodes == 1:
         rdzv = ["--standalone"]
     else:
@@ -96,6 +125,10 @@ def _launch(
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         "--monitor-interval=0.2",
+        # Each rank's own stdout and stderr in a file (and on the agent's console): a failure shows the rank's
+        # traceback, not only the agent's "exitcode 1" summary.
+        f"--log-dir={rank_log_dir}",
+        "--tee=3",
         str(JOB),
         *job_args,
     ]
@@ -104,7 +137,7 @@ def _launch(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(), start_new_session=True
         )
-    return Agent(node_rank, proc, log)
+    return Agent(node_rank, proc, log, rank_log_dir)
 
 
 def _kill_tree(agent: Agent) -> None:
@@ -135,8 +168,7 @@ def _agents() -> Iterator[list[Agent]]:
 def _wait_all(agents: list[Agent], deadline: float) -> list[int]:
     while any(a.proc.poll() is None for a in agents):
         if time.monotonic() > deadline:
-            logs = "\n".join(f"--- agent {a.node_rank}:\n{a.tail()}" for a in agents)
-            raise TimeoutError(f"torchrun job did not end before its deadline\n{logs}")
+            raise TimeoutError(f"torchrun job did not end before its deadline\n{_logs(agents)}")
         time.sleep(0.1)
     return [a.proc.returncode for a in agents]
 
@@ -182,9 +214,9 @@ def _report(title: str, wall_s: float, result: dict | None, extra: str = "") -> 
 
 
 def _assert_result(path: Path, agents: list[Agent], queue: str, world: int, local_world: int) -> dict:
-    assert path.exists(), "rank 0 wrote no result:\n" + "\n".join(a.tail() for a in agents)
+    assert path.exists(), "rank 0 wrote no result:\n" + _logs(agents)
     result = json.loads(path.read_text())
-    assert result["ok"], result["errors"]
+    assert result["ok"], f"{result['errors']}\n{_logs(agents)}"
     assert result["world_size"] == world
     assert result["local_world_size"] == local_world
     assert [r["rank"] for r in result["ranks"]] == list(range(world))
@@ -201,13 +233,16 @@ def _assert_result(path: Path, agents: list[Agent], queue: str, world: int, loca
 def _wait_ready(hold: Path, world: int, agents: list[Agent], deadline: float) -> list[dict]:
     def ready() -> bool:
         if any(a.proc.poll() is not None for a in agents):
-            logs = "\n".join(a.tail() for a in agents)
-            raise AssertionError(f"a torchrun agent ended before every rank was ready:\n{logs}")
+            raise AssertionError(f"a torchrun agent ended before every rank was ready:\n{_logs(agents)}")
         return all((hold / f"ready-{r}").exists() for r in range(world))
 
-    wait_until(
-        ready, timeout_s=max(1.0, deadline - time.monotonic()), what="every rank to read its batches", interval_s=0.1
-    )
+    with _logs_on_timeout(agents):
+        wait_until(
+            ready,
+            timeout_s=max(1.0, deadline - time.monotonic()),
+            what="every rank to read its batches",
+            interval_s=0.1,
+        )
     return [json.loads((hold / f"ready-{r}").read_text()) for r in range(world)]
 
 
@@ -279,7 +314,7 @@ def test_two_nodes_one_external_redis(tmp_path: Path, runtime_dir: Path, redis_u
             (hold / "release").touch()
             codes = _wait_all(agents, t0 + JOB_DEADLINE_S)
         wall = time.monotonic() - t0
-        assert codes == [0, 0], "\n".join(a.tail() for a in agents)
+        assert codes == [0, 0], _logs(agents)
         result = _assert_result(out, agents, queue, world=4, local_world=2)
         assert tags == {f"gigashuffle:{{{queue}@n0}}", f"gigashuffle:{{{queue}@n1}}"}, keys
         for node, ranks in (("n0", {0, 1}), ("n1", {2, 3})):
@@ -330,7 +365,7 @@ def test_two_nodes_embedded_one_server_per_node(tmp_path: Path, runtime_dir: Pat
         (hold / "release").touch()
         codes = _wait_all(agents, t0 + JOB_DEADLINE_S)
     wall = time.monotonic() - t0
-    assert codes == [0, 0], "\n".join(a.tail() for a in agents)
+    assert codes == [0, 0], _logs(agents)
     result = _assert_result(out, agents, queue, world=4, local_world=2)
     assert {"redis-n0.sock", "redis-n1.sock"} <= set(sockets_while_open)
     for r in result["ranks"]:
@@ -375,12 +410,14 @@ def test_killed_rank_ends_job_and_leaves_nothing(tmp_path: Path, runtime_dir: Pa
     t0 = time.monotonic()
     with _agents() as agents:
         agents.append(_launch(tmp_path, args))
-        wait_until(
-            lambda: agents[0].proc.poll() is None and all((pids / f"rank-{r}.json").exists() for r in (0, 1)),
-            timeout_s=JOB_DEADLINE_S,
-            what="both ranks to iterate",
-            interval_s=0.1,
-        )
+
+        def both_iterate() -> bool:
+            if agents[0].proc.poll() is not None:
+                raise AssertionError(f"the job ended before both ranks iterated:\n{_logs(agents)}")
+            return all((pids / f"rank-{r}.json").exists() for r in (0, 1))
+
+        with _logs_on_timeout(agents):
+            wait_until(both_iterate, timeout_s=JOB_DEADLINE_S, what="both ranks to iterate", interval_s=0.1)
         infos = [json.loads((pids / f"rank-{r}.json").read_text()) for r in (0, 1)]
         starters = [i for i in infos if i["started_embedded_server"]]
         assert len(starters) == 1, infos

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pwd
 import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,7 +138,7 @@ def test_node_secrets_differ_between_directories(runtime_dir: Path, tmp_path: Pa
 def test_incomplete_node_secret_is_refused(runtime_dir: Path) -> None:
     path = runtime_dir / "secret"
     path.write_bytes(b"short")
-    with pytest.raises(GigashuffleError, match=f"node secret {path} is incomplete; remove it"):
+    with pytest.raises(GigashuffleError, match=rf"node secret {path} is incomplete \(5 of 32 bytes\); remove it"):
         node_secret()
 
 
@@ -272,3 +274,34 @@ def test_re_signed_forgery_needs_the_secret(published: tuple[SlotStore, bytes], 
     client.hset(store.keys.meta, mapping=forged)
     with pytest.raises(TamperedMetadataError):
         verified_layout(secret, GEN, store.meta(), QUEUE)
+
+
+def _race_for_secret(directory: str, barrier: Any, results: Any) -> None:
+    os.environ[ENV] = directory
+    barrier.wait(timeout=30)
+    try:
+        results.put(("ok", runtime.runtime_dir() == Path(directory), node_secret()))
+    except BaseException as exc:  # the parent asserts on what went wrong, with its text
+        results.put(("error", False, repr(exc).encode()))
+
+
+def test_processes_racing_on_a_fresh_dir_all_get_the_same_complete_secret(tmp_path: Path) -> None:
+    """Every rank and child of a node starts at once: the first-creates-the-file paths must not tear."""
+    ctx = multiprocessing.get_context("fork")
+    racers, rounds = 8, 25
+    for round_no in range(rounds):
+        directory = tmp_path / f"round-{round_no}" / "gigashuffle"  # neither level exists yet
+        barrier, results = ctx.Barrier(racers), ctx.Queue()
+        procs = [ctx.Process(target=_race_for_secret, args=(str(directory), barrier, results)) for _ in range(racers)]
+        for proc in procs:
+            proc.start()
+        got = [results.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=60)
+            assert proc.exitcode == 0, f"round {round_no}: racer exited with {proc.exitcode}"
+        assert all(kind == "ok" and same_dir for kind, same_dir, _ in got), f"round {round_no}: {got}"
+        secrets = {secret for _, _, secret in got}
+        assert len(secrets) == 1, f"round {round_no}: {len(secrets)} different secrets"
+        assert len(secrets.pop()) == 32
+        assert sorted(p.name for p in directory.iterdir()) == ["secret"], "a candidate file was left behind"
+        assert mode(directory) == 0o700
