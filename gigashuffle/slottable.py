@@ -1,0 +1,267 @@
+"""The slot table: what each row of the node buffer holds, in shared memory beside the rows.
+
+NOTE [ Slot table ]
+One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
+(uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
+holds it) and ``version`` (int64, set to a fresh value by every write commit, so an INDEX_KEY entry names one write
+of a slot). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock:
+``flock`` on this process's own open file description of the memfd (re-opened through ``/proc/self/fd``; an fd
+received over SCM_RIGHTS shares the sender's description and would not exclude it). The kernel drops the lock
+when its holder dies, and there is no lock file to name, share or leak. The lock is held for microseconds: a
+transition never spans a row copy.
+
+Why a kill at any instruction loses no slot and blocks nobody:
+- Each transition is journaled. The holder writes the op, its pid, the slot ids and any new versions into the
+  journal region, then stores the journal length (one aligned 8-byte store: the commit point), applies the op,
+  and stores length 0. Killed before the commit point: the table is untouched. Killed after it: the next process
+  to take the lock finds a nonzero length and applies the op again before doing anything else (roll forward).
+- Re-applying an op is idempotent, because every op either sets a value that does not depend on the old one
+  (holder, state of ids chosen under the lock, versions taken from the journal rather than incremented) or
+  moves only slots still in the op's source state (``reading -> full`` skips a slot already moved).
+- A process that dies while holding slots but not the lock leaves them ``writing`` or ``reading`` under its pid:
+  ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
+  a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
+  [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
+- Counts are derived from ``state`` (``bincount`` under the lock), never stored, so they cannot drift.
+A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .buffer import SharedMemory
+from .runtime import pid_alive
+
+SlotIds = npt.NDArray[np.int32]
+Versions = npt.NDArray[np.int64]
+
+EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
+_MAGIC = 0x67735F736C6F7431  # "gs_slot1"
+_HEADER = 64  # int64 words: magic, slots, journal length, op, pid, version clock
+_ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
+_SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
+_NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
+_NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """Slot counts by state, taken atomically under the node lock."""
+
+    empty: int
+    writing: int
+    full: int
+    reading: int
+
+
+def table_nbytes(slots: int) -> int:
+    return _HEADER + slots * (1 + 4 + 8 + 4 + 8) + 64
+
+
+class SlotTable:
+    """The slot table of one node buffer. ``memory=None`` creates it (every slot empty); else it maps ``memory``."""
+
+    def __init__(self, slots: int, memory: SharedMemory | None = None, seed: int | None = None) -> None:
+        if slots <= 0:
+            raise ValueError(f"a slot table needs at least one slot, got slots={slots}")
+        self.slots = slots
+        self.memory = memory or SharedMemory(table_nbytes(slots), name="gigashuffle-slots")
+        if self.memory.fd is None:
+            raise ValueError("a slot table needs the memfd itself (to open its own lock), not a closed one")
+        raw = self.memory.numpy_view(0, table_nbytes(slots))
+        self._header = raw[:_HEADER].view(np.int64)
+        offset = _HEADER
+        self.version = raw[offset : offset + 8 * slots].view(np.int64)
+        self._jaux = raw[offset + 8 * slots : offset + 16 * slots].view(np.int64)
+        offset += 16 * slots
+        self.holder = raw[offset : offset + 4 * slots].view(np.int32)
+        self._jids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
+        offset += 8 * slots
+        self.state = raw[offset : offset + slots]
+        if memory is None:
+            self._header[:2] = (_MAGIC, slots)
+        elif self._header[0] != _MAGIC or self._header[1] != slots:
+            raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
+        self._rng = np.random.default_rng(seed)
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing our description
+        self._lock_fd = -1
+        self._lock_pid = -1
+        self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
+
+    @property
+    def fd(self) -> int | None:
+        return self.memory.fd
+
+    # -- locking and the journal -----------------------------------------------------------------------------
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self._lock_pid != os.getpid():  # a forked child must open its own description
+                inherited = self._finalizer.detach()
+                if inherited is not None:  # the parent's description: holding it could keep the parent's lock
+                    _close_fd(inherited[2][0])
+                if self.memory.fd is None:
+                    raise ValueError("the slot table is closed")
+                self._lock_fd = os.open(f"/proc/self/fd/{self.memory.fd}", os.O_RDWR | os.O_CLOEXEC)
+                self._lock_pid = os.getpid()
+                self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                if self._header[2]:
+                    self._roll_forward()
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _commit(self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None) -> None:
+        n = len(ids)
+        if n == 0:
+            return
+        self._jids[:n] = ids
+        if aux is not None:
+            self._jaux[:n] = aux
+        self._header[3:5] = (op, pid)
+        self._header[2] = n  # the commit point: from here on the op happens, even if we die
+        self._apply(op, pid, ids, aux)
+        self._header[2] = 0
+
+    def _roll_forward(self) -> None:
+        n, op, pid = (int(x) for x in self._header[2:5])
+        self._apply(op, pid, self._jids[:n].copy(), self._jaux[:n].copy())
+        self._header[2] = 0
+
+    def _apply(self, op: int, pid: int, ids: SlotIds, aux: Versions | None) -> None:
+        state = self.state
+        if op in (_ACQUIRE, _DRAW):
+            self.holder[ids] = pid
+            state[ids] = WRITING if op == _ACQUIRE else READING
+            return
+        old = state[ids]
+        if op == _COMMIT:
+            if aux is None:
+                raise AssertionError("a commit without versions")
+            self.version[ids] = aux
+            self._header[5] = max(int(self._header[5]), int(aux.max()))
+            state[ids[old == WRITING]] = FULL
+        elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
+            state[ids[old == READING]] = FULL if op == _RELEASE_KEEP else EMPTY
+            state[ids[old == READING_EVICT]] = EMPTY
+        elif op == _EVICT:
+            state[ids[old == FULL]] = EMPTY
+            state[ids[old == READING]] = READING_EVICT
+        elif op == _REPAIR:
+            state[ids[(old == WRITING) | (old == READING_EVICT)]] = EMPTY
+            state[ids[old == READING]] = FULL
+        else:
+            raise AssertionError(f"unknown slot table op {op} in the journal")
+
+    def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
+        given: SlotIds = np.asarray(ids, dtype=np.int32).reshape(-1)
+        mine: SlotIds = given[np.isin(self.state[given], states) & (self.holder[given] == pid)]
+        return mine
+
+    # -- writers ---------------------------------------------------------------------------------------------
+    def acquire_empty(self, pid: int, n: int) -> SlotIds:
+        """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
+        with self._locked():
+            ids = np.flatnonzero(self.state == EMPTY)[:n].astype(np.int32)
+            self._commit(_ACQUIRE, pid, ids)
+        return ids
+
+    def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
+        """Publish slots ``pid`` wrote (each gets a new version); returns how many it still held."""
+        with self._locked():
+            mine = self._held(pid, ids, (WRITING,))
+            clock = int(self._header[5])
+            self._commit(_COMMIT, pid, mine, np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64))
+        return len(mine)
+
+    # -- readers ---------------------------------------------------------------------------------------------
+    def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
+        """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
+        than ``max(n, min_full)`` slots are full."""
+        with self._locked():
+            full = int(np.count_nonzero(self.state == FULL))
+            if n <= 0 or full < max(n, min_full):
+                return _NO_IDS, _NO_VERSIONS
+            ids = self._sample_full(n, full)
+            versions = self.version[ids].copy()
+            self._commit(_DRAW, pid, ids)
+        return ids, versions
+
+    def _sample_full(self, n: int, full: int) -> SlotIds:
+        if full < _SCAN_BELOW * self.slots:
+            candidates = np.flatnonzero(self.state == FULL)
+            return self._rng.choice(candidates, n, replace=False).astype(np.int32)
+        # Rejection sampling: every accepted id is uniform over the full slots not yet taken, so the batch is a
+        # uniform random subset. ~n / acceptance draws, acceptance >= _SCAN_BELOW.
+        taken = _NO_IDS
+        while len(taken) < n:
+            tries = self._rng.integers(0, self.slots, size=2 * (n - len(taken)) * self.slots // full + 8)
+            hits = tries[self.state[tries] == FULL]
+            merged = np.concatenate([taken, hits.astype(np.int32)])
+            _, first = np.unique(merged, return_index=True)
+            taken = merged[np.sort(first)][:n]
+        return taken
+
+    def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
+        """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
+        with self._locked():
+            mine = self._held(pid, ids, (READING, READING_EVICT))
+            self._commit(_RELEASE_EVICT if evict else _RELEASE_KEEP, pid, mine)
+        return len(mine)
+
+    def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None) -> int:
+        """Full slots become empty; slots being read become empty when released. A slot whose version is not the
+        given one (rewritten since) is left alone; version -1 (or ``versions=None``) matches any write."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.slots):
+            raise ValueError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
+        with self._locked():
+            ok = np.isin(self.state[ids], (FULL, READING))
+            if versions is not None:
+                wanted = np.asarray(versions, dtype=np.int64).reshape(-1)
+                ok &= (wanted == -1) | (self.version[ids] == wanted)
+            chosen = np.unique(ids[ok])
+            self._commit(_EVICT, 0, chosen)
+        return len(chosen)
+
+    # -- supervision -----------------------------------------------------------------------------------------
+    def repair(self, dead: Iterable[int] = ()) -> int:
+        """Return the slots of dead holders (``dead`` pids, or any holder pid no longer alive); returns how many."""
+        dead_set = set(dead)
+        with self._locked():
+            held = np.flatnonzero(self.state != EMPTY)
+            held = held[self.state[held] != FULL].astype(np.int32)
+            holders = self.holder[held]
+            gone = [p for p in np.unique(holders).tolist() if p in dead_set or not pid_alive(p)]
+            ids = held[np.isin(holders, gone)]
+            self._commit(_REPAIR, 0, ids)
+        return len(ids)
+
+    def snapshot(self) -> TableSnapshot:
+        with self._locked():
+            counts = np.bincount(self.state, minlength=5)
+        return TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
+                             int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
+
+    def close(self) -> None:
+        """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
+        self._finalizer()
+        self.memory.close()
+
+
+def _close_fd(holder: list[int]) -> None:
+    if holder[0] >= 0:
+        os.close(holder[0])
+        holder[0] = -1

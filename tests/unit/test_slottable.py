@@ -1,0 +1,333 @@
+"""The slot table on its own: transitions, uniform draws, versions, repair after kills, many processes at once.
+
+No Redis and no loader: real shared memory, real ``flock``, real forked processes killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gigashuffle.buffer import SharedMemory
+from gigashuffle.slottable import (
+    EMPTY,
+    FULL,
+    READING,
+    READING_EVICT,
+    WRITING,
+    SlotTable,
+    TableSnapshot,
+    table_nbytes,
+)
+
+_WAIT_S = 30.0
+
+
+def _fork(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child (its return value is the exit code); returns the pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    """The child's wait status, within a deadline (a child stuck on the lock fails the test instead of hanging)."""
+    deadline = time.monotonic() + _WAIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"child {pid} did not finish within {_WAIT_S}s")
+
+
+def _unlocked(table: SlotTable) -> bool:
+    """True if nobody holds the node lock (probed through a fresh open file description)."""
+    if table.fd is None:
+        raise AssertionError("table has no fd")
+    fd = os.open(f"/proc/self/fd/{table.fd}", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _fill(table: SlotTable, pid: int, n: int) -> np.ndarray:
+    ids = table.acquire_empty(pid, n)
+    assert table.commit_written(pid, ids) == len(ids)
+    return ids
+
+
+def test_write_then_read_cycle() -> None:
+    table = SlotTable(16, seed=1)
+    assert table.snapshot() == TableSnapshot(empty=16, writing=0, full=0, reading=0)
+    ids = table.acquire_empty(100, 10)
+    assert len(ids) == 10 and len(set(ids.tolist())) == 10
+    assert (table.state[ids] == WRITING).all() and (table.holder[ids] == 100).all()
+    assert table.snapshot() == TableSnapshot(6, 10, 0, 0)
+    assert len(table.acquire_empty(101, 10)) == 6  # only what is empty
+    assert table.commit_written(100, ids) == 10
+    assert table.snapshot() == TableSnapshot(0, 6, 10, 0)
+    assert len(table.draw_full(200, 4, min_full=11)[0]) == 0  # below the mixing threshold
+    got, versions = table.draw_full(200, 4, min_full=10)
+    assert len(got) == 4 and set(got.tolist()) <= set(ids.tolist())
+    assert (table.version[got] == versions).all()
+    assert table.snapshot() == TableSnapshot(0, 6, 6, 4)
+    assert table.release_read(200, got[:2], evict=True) == 2
+    assert table.release_read(200, got[2:], evict=False) == 2
+    assert table.snapshot() == TableSnapshot(2, 6, 8, 0)
+    assert (table.state[got[:2]] == EMPTY).all() and (table.state[got[2:]] == FULL).all()
+
+
+def test_only_the_holder_moves_its_slots() -> None:
+    table = SlotTable(8, seed=2)
+    ids = table.acquire_empty(1, 4)
+    assert table.commit_written(2, ids) == 0  # not pid 2's
+    assert table.commit_written(1, ids) == 4
+    assert table.commit_written(1, ids) == 0  # already full: a retry commits nothing
+    got, _ = table.draw_full(3, 4)
+    assert table.release_read(4, got, evict=True) == 0
+    assert table.snapshot().reading == 4
+
+
+def test_versions_bump_on_every_write_and_stale_evicts_are_ignored() -> None:
+    table = SlotTable(4, seed=3)
+    _fill(table, 1, 4)
+    first, v1 = table.draw_full(2, 4)
+    table.release_read(2, first, evict=True)
+    _fill(table, 1, 4)
+    again, v2 = table.draw_full(2, 4)
+    order1, order2 = np.argsort(first), np.argsort(again)
+    assert (v2[order2] > v1[order1]).all()  # each slot was written again, so each has a newer version
+    table.release_read(2, again, evict=False)
+    assert table.evict(first, v1) == 0  # an INDEX_KEY entry of the earlier write: the newer rows stay
+    assert table.snapshot().full == 4
+    assert table.evict(again[:2], v2[:2]) == 2
+    assert table.snapshot() == TableSnapshot(2, 0, 2, 0)
+    assert table.evict(again[:2], v2[:2]) == 0  # already empty
+    assert table.evict(again[2:]) == 2  # no versions: any write
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        table.evict([4])
+
+
+def test_evict_while_reading_takes_effect_at_release() -> None:
+    table = SlotTable(4, seed=4)
+    _fill(table, 1, 4)
+    got, versions = table.draw_full(2, 4)
+    assert table.evict(got[:1], versions[:1]) == 1
+    assert table.state[got[0]] == READING_EVICT
+    # A writer cannot take it while the reader still gathers it.
+    assert len(table.acquire_empty(1, 4)) == 0
+    table.release_read(2, got, evict=False)
+    assert table.state[got[0]] == EMPTY and (table.state[got[1:]] == FULL).all()
+
+
+@pytest.mark.parametrize("full_slots", [64, 100, 1000])  # scan path (few full) and rejection path (many full)
+def test_draws_are_uniform_over_full_slots(full_slots: int) -> None:
+    slots, n, rounds = 1000, 16, 3000
+    table = SlotTable(slots, seed=5)
+    table.acquire_empty(1, slots)
+    written = np.random.default_rng(6).choice(slots, full_slots, replace=False).astype(np.int32)
+    table.commit_written(1, written)
+    counts = np.zeros(slots, dtype=np.int64)
+    for _ in range(rounds):
+        got, _ = table.draw_full(2, n)
+        assert len(np.unique(got)) == n
+        counts[got] += 1
+        table.release_read(2, got, evict=False)
+    assert counts.sum() == n * rounds and set(np.flatnonzero(counts).tolist()) <= set(written.tolist())
+    expected = n * rounds / full_slots
+    chi2 = float((((counts[written] - expected) ** 2) / expected).sum())
+    # Seeded, so deterministic; for a uniform draw chi2 ~ dof = full_slots - 1 with sd sqrt(2 dof). A draw that
+    # favoured low ids, or one part of the table, lands far above this bound.
+    dof = full_slots - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2
+
+
+def test_attach_maps_the_same_table() -> None:
+    table = SlotTable(8, seed=7)
+    ids = _fill(table, 1, 3)
+    if table.fd is None:
+        raise AssertionError("no fd")
+    other = SlotTable(8, SharedMemory(table_nbytes(8), os.dup(table.fd)))
+    assert other.snapshot() == TableSnapshot(5, 0, 3, 0)
+    assert (other.version[ids] == table.version[ids]).all()
+    wrong = SharedMemory(table_nbytes(4), os.dup(table.fd))
+    with pytest.raises(ValueError, match="not a slot table of 4 slots"):
+        SlotTable(4, wrong)
+    wrong.close()
+    other.close()
+    table.close()
+
+
+def test_repair_returns_dead_holders_slots() -> None:
+    table = SlotTable(12, seed=8)
+    _fill(table, os.getpid(), 8)
+
+    def hold_and_die() -> int:
+        table.acquire_empty(os.getpid(), 2)  # a writer mid-copy
+        table.draw_full(os.getpid(), 3)  # a reader mid-gather
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 1
+
+    pid = _fork(hold_and_die)
+    assert os.WTERMSIG(_wait(pid)) == signal.SIGKILL
+    assert table.snapshot() == TableSnapshot(2, 2, 5, 3)
+    assert table.repair() == 5  # pid_alive finds it gone
+    assert table.snapshot() == TableSnapshot(4, 0, 8, 0)
+    assert table.repair() == 0
+
+
+def test_repair_of_known_dead_pids_and_evicted_reads() -> None:
+    table = SlotTable(6, seed=9)
+    _fill(table, 1, 6)
+    got, versions = table.draw_full(424242, 4)
+    table.evict(got[:1], versions[:1])
+    assert table.repair(dead=[424242]) == 4
+    assert table.state[got[0]] == EMPTY and (table.state[got[1:]] == FULL).all()
+
+
+@pytest.mark.parametrize("applied", ["none", "half", "all"])
+def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
+    """A child takes the lock, journals a release of its batch, applies part of it and SIGKILLs itself."""
+    table = SlotTable(10, seed=10)
+    _fill(table, 1, 10)
+
+    def die_in_transition() -> int:
+        me = os.getpid()
+        got, _ = table.draw_full(me, 6)
+        with table._locked():
+            from gigashuffle import slottable
+
+            table._header[3:5] = (slottable._RELEASE_EVICT, me)
+            table._jids[: len(got)] = got
+            if applied != "none":
+                table._header[2] = len(got)  # the commit point
+                part = got[:3] if applied == "half" else got
+                table._apply(slottable._RELEASE_EVICT, me, part, None)
+            os.kill(me, signal.SIGKILL)
+        return 1
+
+    pid = _fork(die_in_transition)
+    assert os.WTERMSIG(_wait(pid)) == signal.SIGKILL
+    assert _unlocked(table)  # the kernel let go of the dead holder's lock
+    snap = table.snapshot()  # the first lock holder rolls the journal forward
+    if applied == "none":
+        assert snap == TableSnapshot(0, 0, 4, 6)  # nothing happened; the reader's slots await repair
+        assert table.repair() == 6
+        assert table.snapshot() == TableSnapshot(0, 0, 10, 0)
+    else:
+        assert snap == TableSnapshot(6, 0, 4, 0)  # the whole release happened, exactly once
+        assert table.repair() == 0
+    assert table._header[2] == 0
+
+
+def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> None:
+    table = SlotTable(8, seed=11)
+
+    def die_in_commit() -> int:
+        from gigashuffle import slottable
+
+        me = os.getpid()
+        ids = table.acquire_empty(me, 8)
+        with table._locked():
+            versions = np.arange(1, 9, dtype=np.int64)
+            table._jids[:8], table._jaux[:8] = ids, versions
+            table._header[3:5] = (slottable._COMMIT, me)
+            table._header[2] = 8
+            table._apply(slottable._COMMIT, me, ids[:5], versions[:5])
+            os.kill(me, signal.SIGKILL)
+        return 1
+
+    assert os.WTERMSIG(_wait(_fork(die_in_commit))) == signal.SIGKILL
+    assert table.snapshot() == TableSnapshot(0, 0, 8, 0)
+    assert sorted(table.version.tolist()) == list(range(1, 9))
+    ids = table.acquire_empty(1, 0)
+    assert len(ids) == 0
+    got, _ = table.draw_full(1, 8)
+    table.release_read(1, got, evict=True)
+    _fill(table, 1, 8)
+    assert table.version.min() > 8  # the clock moved past the rolled-forward versions
+
+
+def _hammer(table: SlotTable, seed: int, rounds: int, log_fd: int, started_fd: int = -1) -> int:
+    """A child that writes and reads at random; exits 3 if it ever finds a slot it holds held by someone else."""
+    me = os.getpid()
+    rng = np.random.default_rng(seed)
+    for i in range(rounds):
+        if i == 20 and started_fd >= 0:
+            os.write(started_fd, b"!")
+        ids = table.acquire_empty(me, int(rng.integers(1, 6)))
+        if not ((table.holder[ids] == me) & (table.state[ids] == WRITING)).all():
+            return 3
+        if table.commit_written(me, ids) != len(ids):
+            return 3
+        got, versions = table.draw_full(me, int(rng.integers(1, 4)), min_full=4)
+        if not ((table.holder[got] == me) & np.isin(table.state[got], (READING, READING_EVICT))).all():
+            return 3
+        if len(got):
+            os.write(log_fd, np.stack([got.astype(np.int64), versions]).T.tobytes())
+        if rng.random() < 0.2:  # an evict() racing the readers, with right and stale versions alike
+            table.evict(rng.integers(0, table.slots, 2), rng.integers(0, 50, 2))
+        if table.release_read(me, got, evict=True) != len(got):
+            return 3
+    return 0
+
+
+def test_many_processes_every_slot_accounted_and_no_row_read_twice() -> None:
+    table = SlotTable(64, seed=12)
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    workers = [_fork(lambda s=s: _hammer(table, s, 300, write_end)) for s in range(4)]
+    started_r, started_w = os.pipe()
+    victim = _fork(lambda: _hammer(table, 99, 10**9, write_end, started_w))
+    os.close(started_w)
+    os.set_blocking(started_r, True)
+    assert os.read(started_r, 1) == b"!"  # the victim is mid-run; where exactly the kill lands is up to chance
+    os.close(started_r)
+    os.kill(victim, signal.SIGKILL)
+    os.close(write_end)
+    chunks = []
+    statuses = []
+    pending = [*workers, victim]
+    deadline = time.monotonic() + _WAIT_S
+    while pending and time.monotonic() < deadline:
+        try:
+            chunk = os.read(read_end, 1 << 16)
+            if chunk:
+                chunks.append(chunk)
+        except BlockingIOError:
+            time.sleep(0.005)
+        for pid in list(pending):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                statuses.append((pid, status))
+                pending.remove(pid)
+    assert not pending, "hammering children did not finish in time"
+    os.set_blocking(read_end, True)
+    while chunk := os.read(read_end, 1 << 16):  # every writer end is closed now: this ends at EOF
+        chunks.append(chunk)
+    os.close(read_end)
+    assert [os.WEXITSTATUS(s) for p, s in statuses if p != victim] == [0, 0, 0, 0]
+    table.repair()
+    snap = table.snapshot()
+    assert snap.writing == 0 and snap.reading == 0 and snap.empty + snap.full == 64
+    reads = np.frombuffer(b"".join(chunks), dtype=np.int64).reshape(-1, 2)
+    pairs = {(int(i), int(v)) for i, v in reads}
+    assert len(pairs) == len(reads) > 0  # every (slot, version) -- one written row -- was read at most once
