@@ -17,7 +17,7 @@ from .errors import (
 )
 from .loader import MultiprocessShuffledDataloader
 from .schema import INDEX_KEY
-from .slots import ShuffleBufferStats
+from .slottable import ShuffleBufferStats
 
 Buffer = list[dict[str, torch.Tensor | np.ndarray]]
 """What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension."""

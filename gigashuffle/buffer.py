@@ -133,7 +133,8 @@ class SlotBuffer:
 
 
 class BatchRing:
-    """A reader's ring of ``depth`` batch slots, each holding ``bs`` rows plus their slot indices."""
+    """A reader's ring of ``depth`` batch slots, each holding ``bs`` rows, their slot indices and the version of
+    each slot's write (so a later ``evict`` can tell that write from a newer one; see NOTE [ Slot table ])."""
 
     def __init__(self, layout: Layout, bs: int, depth: int, memory: SharedMemory | None = None) -> None:
         offsets, fields_bytes = _field_offsets(layout, bs)
@@ -142,7 +143,8 @@ class BatchRing:
         self.depth = depth
         self.index_offset = fields_bytes
         self.field_offsets = offsets
-        self.slot_bytes = _align(fields_bytes + bs * 8)
+        self.versions_offset = fields_bytes + bs * 8
+        self.slot_bytes = _align(fields_bytes + bs * 16)
         self.nbytes = self.slot_bytes * depth
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -161,6 +163,10 @@ class BatchRing:
         ]
         index = self.memory.view(base + self.index_offset, self.bs * 8).view(torch.int64)
         return fields, index
+
+    def versions(self, k: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The int64 versions of ring slot ``k``'s rows, one per index."""
+        return self.memory.numpy_view(k * self.slot_bytes + self.versions_offset, self.bs * 8).view(np.int64)
 
     def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
         """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .control import ControlPlane, text
 from .keys import META_PATTERN, QueueKeys
 from .redisconn import Client, connect
 from .runtime import runtime_dir
-from .slots import SlotStore, text
 
 
 def _scan(client: Client, pattern: str) -> list[str]:
@@ -24,7 +24,7 @@ def _scan(client: Client, pattern: str) -> list[str]:
 def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     """One row per queue and node found on the server; rates are measured over ``interval_s``."""
     stores = [
-        SlotStore(client, QueueKeys(*parsed))
+        ControlPlane(client, QueueKeys(*parsed))
         for meta_key in _scan(client, META_PATTERN)
         if (parsed := QueueKeys.parse_tag(meta_key)) is not None
     ]
@@ -37,7 +37,7 @@ def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     for store, (written_before, read_before) in zip(stores, before, strict=True):
         keys = store.keys
         written, read = store.counters()
-        gen, full, empty, procs = store.stats()
+        stats = store.stats()  # slot counts as the node's processes last flushed them (about once a second)
         size = int(store.meta().get("slots", b"0"))
         ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
         rows.append(
@@ -45,14 +45,14 @@ def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
                 "queue": keys.queue,
                 "node": keys.node,
                 "size": size,
-                "full": full,
-                "empty": empty,
-                "in_flight": max(size - full - empty, 0),
+                "full": stats.full,
+                "empty": stats.empty,
+                "in_flight": stats.in_flight,
                 "ranks": ranks,
-                "processes": procs,
+                "processes": stats.processes,
                 "written_per_s": round((written - written_before) / elapsed) if interval_s > 0 else None,
                 "read_per_s": round((read - read_before) / elapsed) if interval_s > 0 else None,
-                "generation": text(gen) if gen else "",
+                "generation": text(stats.generation) if stats.generation else "",
             }
         )
     return rows

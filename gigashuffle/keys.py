@@ -41,35 +41,15 @@ class QueueKeys:
         return self._key("meta")
 
     @property
-    def empty(self) -> str:
-        return self._key("empty")
-
-    @property
-    def full(self) -> str:
-        return self._key("full")
-
-    @property
-    def reading(self) -> str:
-        """Slots being gathered, tracked only with evict_on_read=False so evict() can defer."""
-        return self._key("reading")
-
-    @property
-    def evict_pending(self) -> str:
-        return self._key("evict")
-
-    @property
     def procs(self) -> str:
         """Hash: process id -> JSON (role, rank, index, pid, host, attach socket)."""
         return self._key("procs")
 
     @property
     def counters(self) -> str:
-        """Hash: rows ``written`` and ``read`` this session, for rates in ``gigashuffle stats``."""
+        """Hash: rows ``written`` and ``read`` this session, for rates in ``gigashuffle stats``, and the slot
+        counts (``full``, ``empty``, ``in_flight``) as last flushed."""
         return self._key("counters")
-
-    def lease(self, proc: str) -> str:
-        """Set of the slots process ``proc`` holds (writing or reading)."""
-        return self._key(f"lease:{proc}")
 
     def rank(self, global_rank: int) -> str:
         """A trainer's claim on its rank: a token with a TTL, refreshed by a heartbeat."""
@@ -81,10 +61,6 @@ class QueueKeys:
             self.gen,
             self.conf,
             self.meta,
-            self.empty,
-            self.full,
-            self.reading,
-            self.evict_pending,
             self.procs,
             self.counters,
         ]

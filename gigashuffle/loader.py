@@ -23,7 +23,7 @@ from .redisconn import Client, connect
 from .runtime import node_secret, remove_stale_sockets, runtime_dir
 from .schema import INDEX_KEY
 from .session import NodeSession
-from .slots import ShuffleBufferStats
+from .slottable import ShuffleBufferStats
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class MultiprocessShuffledDataloader:
             raise
         self._finalizer = weakref.finalize(self, self._sup.shutdown)
         self._pass_open = False
+        # The version of the write each slot held when this trainer last received it: evict() names that write,
+        # so a late evict never drops a newer row (-1: never received here, evict whatever the slot holds).
+        self._versions = np.full(config.shuffle_size, -1, dtype=np.int64)
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -149,6 +152,9 @@ class MultiprocessShuffledDataloader:
         ring = child.ring
         if ring is None:
             raise AssertionError("a batch arrived before its reader's ring")
+        if not self.config.evict_on_read:
+            _fields, index = ring.regions(k)
+            self._versions[index.numpy()] = ring.versions(k)
         if child.held >= ring.depth - 1:
             # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
             batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
@@ -186,15 +192,14 @@ class MultiprocessShuffledDataloader:
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
         self._check_open()
-        _gen, full, empty, _procs = self._sup.session.store.stats()
-        if full + empty == 0 and "slots" not in self._sup.session.store.meta():
-            return ShuffleBufferStats(0, 0, 0)
-        return ShuffleBufferStats(full, empty, self.config.shuffle_size - full - empty)
+        table = self._sup.table()
+        return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot().stats()
 
     def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
         """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.
 
-        A slot that a reader is gathering right now is evicted when that reader returns it.
+        A slot that a reader is gathering right now is evicted when that reader returns it. Each index names the
+        write this trainer last received from that slot: a slot written again since is left alone.
         """
         self._check_open()
         if self.config.evict_on_read:
@@ -207,7 +212,11 @@ class MultiprocessShuffledDataloader:
                 f"evict(indices) needs integer slot indices in [0, {self.config.shuffle_size}); got dtype "
                 f"{ids.dtype} with range [{ids.min()}, {ids.max()}]. Pass batch[0][INDEX_KEY]."
             )
-        return self._sup.session.store.evict(np.unique(ids).astype(np.int32)) if ids.size else 0
+        if not ids.size:
+            return 0
+        table = self._wait_for(self._sup.table, "the slot table")
+        ids = np.unique(ids)
+        return int(table.evict(ids, self._versions[ids]))
 
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""

@@ -2,19 +2,23 @@
 
 NOTE [ Reader cycle ]
 The trainer maps the reader's ring (its fd crosses once, at start); per batch only ``("batch", k)`` and later
-``("free", k)`` cross the channel. Steady state is one round trip per batch: ``READER_CYCLE`` returns the slots
-of batch ``i`` (to empty, or to full when evict_on_read=False) and leases batch ``i + 1``. Batch ``i`` is
-announced only after that call, so a reader killed at any point never lets a delivered sample be read again.
-The reader asks for a new batch only while it has a free ring slot, so a reader blocked on a slow trainer
-holds no slots and cannot starve the rest of the node. Up to ``ring_depth`` batches are in flight.
+``("free", k)`` cross the channel, and nothing goes to Redis. Per batch: ``draw_full`` takes ``bs`` uniformly
+random full slots (``reading`` under this pid, once at least ``min_full_slots`` are full), the rows, their slot
+ids and versions are gathered into a free ring slot without any lock held, ``release_read`` returns the slots (to
+empty, or to full when evict_on_read=False), and only then is the batch announced. A reader killed before the
+release leaves ``reading`` slots, which ``repair()`` returns to full (never delivered); killed between release and
+announcement, the batch is dropped, never delivered twice. The reader draws only while it has a free ring slot,
+so a reader blocked on a slow trainer holds no slots and cannot starve the rest of the node. Up to
+``ring_depth`` batches are in flight.
 
 With fill_once=True the reader waits for a full buffer, then gathers this rank's share of the slots in slot
-order, once per pass the trainer asks for, leasing nothing.
+order, once per pass the trainer asks for, drawing nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 
 import numpy as np
@@ -22,18 +26,17 @@ import torch
 
 from .buffer import BatchRing, SlotBuffer
 from .channel import Channel
-from .slots import SlotIds
-from .workers import Backoff, ChildEnv, ChildSpec
+from .slottable import SlotIds, SlotTable, Versions
+from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
 log = logging.getLogger(__name__)
 
-_NO_SLOTS: SlotIds = np.empty(0, dtype=np.int32)
 _IDLE_POLL_S = 0.5
 
 
-def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, BatchRing]:
+def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
     layout = env.attach_buffer()
-    if env.buffer is None:
+    if env.buffer is None or env.table is None:
         raise AssertionError("reader has no buffer after attach")
     ring = BatchRing(layout, env.config.bs, env.config.ring_depth)
     fd = ring.memory.fd
@@ -41,14 +44,15 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, BatchRing]:
         raise AssertionError("a new ring has no fd")
     env.channel.send(("ring", ring.nbytes, layout.to_json()), (fd,))
     ring.memory.close_fd()
-    return env.buffer, ring
+    return env.buffer, env.table, ring
 
 
-def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds) -> None:
+def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, versions: Versions) -> None:
     fields, index = ring.regions(k)
     ids = torch.from_numpy(slots.astype(np.int64))
     buffer.gather(ids, fields)
     index.copy_(ids)
+    ring.versions(k)[:] = versions
 
 
 def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[tuple[object, ...]]:
@@ -67,45 +71,43 @@ def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[tuple[o
 
 def run(spec: ChildSpec, channel: Channel) -> None:
     env = ChildEnv(spec, channel)
-    buffer, ring = _open_ring(env)
+    buffer, table, ring = _open_ring(env)
     if spec.config.fill_once:
-        _serve_passes(env, buffer, ring)
+        _serve_passes(env, buffer, table, ring)
     else:
-        _stream(env, buffer, ring)
+        _stream(env, buffer, table, ring)
 
 
-def _stream(env: ChildEnv, buffer: SlotBuffer, ring: BatchRing) -> None:
+def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
     cfg = env.config
+    me = os.getpid()
     free: deque[int] = deque(range(ring.depth))
     backoff = Backoff()
-    done = _NO_SLOTS  # slots gathered into the ring, not yet returned to Redis
-    ready: int | None = None  # ring slot gathered, announced after its slots are returned
+    chores = Housekeeping(env)
     while True:
-        _take_frees(env, free, 0 if (free or ready is not None) else _IDLE_POLL_S)
-        if not free and ready is None:
+        _take_frees(env, free, 0 if free else _IDLE_POLL_S)
+        chores.tick()
+        if not free:
             continue
-        want = cfg.bs if free else 0
-        slots = env.store.reader_cycle(env.proc, done, want, cfg.min_full_slots, cfg.evict_on_read)
-        done = _NO_SLOTS
-        if ready is not None:
-            env.channel.send(("batch", ready))
-            ready = None
+        slots, versions = table.draw_full(me, cfg.bs, cfg.min_full_slots)
         if len(slots) == 0:
-            if want:
-                backoff.sleep()
+            backoff.sleep()
             continue
         backoff.reset()
-        while not free:  # slots came back from a lost reply while the ring is full: wait for room
-            _take_frees(env, free, _IDLE_POLL_S)
         k = free.popleft()
-        _gather(buffer, ring, k, slots)
-        done, ready = slots, k
+        _gather(buffer, ring, k, slots, versions)
+        if table.release_read(me, slots, cfg.evict_on_read) != len(slots):
+            raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
+        chores.read += len(slots)
+        env.channel.send(("batch", k))
 
 
-def _serve_passes(env: ChildEnv, buffer: SlotBuffer, ring: BatchRing) -> None:
+def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
     cfg = env.config
     backoff = Backoff(cap_s=0.05)
-    while env.store.stats()[1] < cfg.shuffle_size:
+    chores = Housekeeping(env)
+    while table.snapshot().full < cfg.shuffle_size:
+        chores.tick()
         backoff.sleep()
     per_rank = cfg.shuffle_size // cfg.local_world_size
     first = cfg.local_rank * per_rank
@@ -120,6 +122,7 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, ring: BatchRing) -> None:
                 while not free:
                     _take_frees(env, free, _IDLE_POLL_S)
                 k = free.popleft()
-                _gather(buffer, ring, k, order[b * cfg.bs : (b + 1) * cfg.bs])
+                ids = order[b * cfg.bs : (b + 1) * cfg.bs]
+                _gather(buffer, ring, k, ids, table.version[ids])
                 env.channel.send(("batch", k))
             env.channel.send(("end", message[1]))

@@ -6,6 +6,12 @@ trainer of a node to claim while no other rank of the node holds a claim starts 
 a dead earlier session left in Redis and sets a fresh random generation, which every child then quotes. A claim
 held by a live trainer is refused (``QueueInUseError``); one whose holder is a dead process on this host is
 dropped at once, so a restarted job does not wait for the TTL. The last trainer to leave deletes every key.
+
+A session is bound to the server's identity: the generation starts with the ``run_id`` of the server that
+created it. JOIN starts a new session when the stored generation names another server (one restored from a
+snapshot or a failed-over replica brings back an older session's keys, claims included), and the heartbeat
+compares the server's ``run_id`` with the one seen at join, so a restart, a restore or a failover is noticed
+even when every key came back.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ import threading
 import uuid
 
 from .config import DataloaderConfig
+from .control import ControlPlane
 from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError, QueueStateLostError
 from .keys import QueueKeys
 from .redisconn import Client
 from .runtime import pid_alive
-from .slots import SlotStore
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +47,12 @@ class NodeSession:
 
     def __init__(self, client: Client, config: DataloaderConfig) -> None:
         self.config = config
-        self.store = SlotStore(client, QueueKeys(config.queue_name, config.node))
+        self.store = ControlPlane(client, QueueKeys(config.queue_name, config.node))
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         first = config.global_rank - config.local_rank
         self.other_ranks = [r for r in range(first, first + config.local_world_size) if r != config.global_rank]
         self.lost: Exception | None = None
+        self.server_id = ""
         self._left = False
         self._join()
         self._start_heartbeat()
@@ -56,10 +63,12 @@ class NodeSession:
 
     def _join(self) -> None:
         cfg = self.config
+        self.server_id = self.store.server_id()
         for _attempt in range(2):
             result = self.store.join(
-                cfg.global_rank, self.other_ranks, self.token, LEASE_MS, shared_conf(cfg), uuid.uuid4().hex
-            )
+                cfg.global_rank, self.other_ranks, self.token, LEASE_MS, shared_conf(cfg),
+                f"{self.server_id}/{uuid.uuid4().hex}",
+            )  # fmt: skip
             if not isinstance(result, str):
                 break
             if not self._holder_is_dead(result):
@@ -104,11 +113,18 @@ class NodeSession:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 alive = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS)
+                server_id = self.store.server_id()
             except GigashuffleError as exc:
                 self.lost = exc
                 return
             if not alive:
                 self.lost = QueueStateLostError("the queue's session in Redis is gone")
+                return
+            if server_id != self.server_id:
+                self.lost = QueueStateLostError(
+                    f"Redis is another server now (run_id {self.server_id} -> {server_id}): it was restarted, "
+                    "restored from a snapshot or failed over, so its view of the queue cannot be trusted"
+                )
                 return
 
     def abandon(self) -> None:
@@ -116,7 +132,7 @@ class NodeSession:
         self._left = True
         self.stop_heartbeat()
 
-    def leave(self, store: SlotStore | None = None) -> bool:
+    def leave(self, store: ControlPlane | None = None) -> bool:
         """Stop the heartbeat and drop the claim (through ``store``, default this session's own); True if this was
         the node's last trainer, which deletes every key of the session."""
         if self._left:

@@ -55,6 +55,15 @@ _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
+class ShuffleBufferStats:
+    """Slot counts of a node's buffer: ``full + empty + in_flight == shuffle_size`` once it is allocated."""
+
+    full: int
+    empty: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
 class TableSnapshot:
     """Slot counts by state, taken atomically under the node lock."""
 
@@ -62,6 +71,9 @@ class TableSnapshot:
     writing: int
     full: int
     reading: int
+
+    def stats(self) -> ShuffleBufferStats:
+        return ShuffleBufferStats(self.full, self.empty, self.writing + self.reading)
 
 
 def table_nbytes(slots: int) -> int:
@@ -258,7 +270,12 @@ class SlotTable:
     def close(self) -> None:
         """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
         self._finalizer()
+        self._lock_pid = -1
         self.memory.close()
+        # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
+        self._header = self.version = self._jaux = np.empty(0, dtype=np.int64)
+        self.holder = self._jids = _NO_IDS
+        self.state = np.empty(0, dtype=np.uint8)
 
 
 def _close_fd(holder: list[int]) -> None:

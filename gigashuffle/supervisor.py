@@ -5,7 +5,8 @@ The trainer never blocks on one thing: every wait is a ``select`` over the zygot
 channel with a timeout of at most ``_PUMP_S``, so a child's death (reported by the zygote with its exit status)
 or a lost Redis session is seen within about a second even while the trainer waits for a batch. A child that
 raised sends ``("error", type, traceback)`` before exiting; the trainer raises that text in a ``WorkerDied``.
-A dead child's Redis lease is reclaimed at once, and with ``max_restarts`` left it is spawned again.
+A dead child's slots are repaired in the slot table at once (when the trainer has mapped it; else the other
+children's once-a-second repair finds the dead pid), and with ``max_restarts`` left it is spawned again.
 When the session itself is lost (Redis restarted without persistence, or was flushed: the heartbeat or a child
 finds the generation gone), the trainer kills its children, joins again (the first rank of the node back starts a
 new generation, the others join it) and spawns them afresh; batches already announced stay valid.
@@ -28,19 +29,21 @@ from . import embedded
 from .buffer import BatchRing, SharedMemory
 from .channel import ChannelClosed
 from .config import DataloaderConfig
-from .errors import GigashuffleError, QueueStateLostError, WorkerDied
+from .control import ControlPlane
+from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
 from .session import NodeSession
-from .slots import SlotStore
-from .workers import ChildSpec, proc_name
+from .slottable import SlotTable, table_nbytes
+from .workers import ChildSpec, fetch_node_fds, proc_name
 
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
 _CLOSE_REDIS_BUDGET_S = 2.0
+_ATTACH_TABLE_S = 2.0
 
 
 class Supervisor:
@@ -71,6 +74,7 @@ class Supervisor:
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
         self.session_restarts = 0
+        self._table: SlotTable | None = None
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
         try:
@@ -201,6 +205,7 @@ class Supervisor:
             )  # fmt: skip
             try:
                 self._stop_children()
+                self._drop_table()
                 self.session.rejoin()
                 self.zygote = Zygote(self._zygote_title)
                 self._spawn_all()
@@ -233,7 +238,26 @@ class Supervisor:
             return 0
         return self.config.max_restarts
 
-    def _closing_store(self) -> SlotStore | None:
+    # -- the slot table --------------------------------------------------------------------------------------
+    def table(self) -> SlotTable | None:
+        """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
+        if self._table is None and "hmac" in self.session.store.meta():
+            try:
+                buffer_fd, table_fd = fetch_node_fds(self.session.store, self.config.queue_name, _ATTACH_TABLE_S)
+            except AttachError as exc:
+                log.debug("slot table not mapped yet: %s", exc)
+                return None
+            os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
+            slots = self.config.shuffle_size
+            self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+        return self._table
+
+    def _drop_table(self) -> None:
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+
+    def _closing_store(self) -> ControlPlane | None:
         """A client with a short retry budget: close() must not wait out redis_timeout_s on a dead server."""
         if self.server is not None and not embedded.answers(self.server.socket_path):
             log.warning("the embedded Redis of %s is gone (its starter died); nothing to clean in it", self.config.node)
@@ -248,17 +272,18 @@ class Supervisor:
             if client is not None:
                 client.close()
             return None
-        return SlotStore(client, self.session.store.keys, self.session.store.generation)
+        return ControlPlane(client, self.session.store.keys, self.session.store.generation)
 
-    def _reclaim(self, child: ChildProcess, store: SlotStore | None = None) -> None:
-        if not child.proc_id:
+    def _reclaim(self, child: ChildProcess) -> None:
+        if child.pid is None:
             return
         try:
-            slots = (store or self.session.store).reclaim(child.proc_id, child.role)
+            table = self.table()
         except GigashuffleError as exc:
-            log.warning("could not reclaim the slots of %s: %s", child.proc_id, exc)
+            log.warning("could not map the slot table to repair the slots of %s: %s", child.proc_id, exc)
             return
-        log.debug("reclaimed %d slots of %s", slots, child.proc_id)
+        if table is not None:
+            log.debug("repaired %d slots of %s", table.repair(dead=[child.pid]), child.proc_id)
 
     # -- batches ---------------------------------------------------------------------------------------------
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
@@ -306,13 +331,14 @@ class Supervisor:
             child.ring = None
         self.ready.clear()
         self.to_free.clear()
+        if self._table is not None:  # other ranks' children go on: give them what ours held
+            self._table.repair(dead=[c.pid for c in live if c.pid is not None])
+        self._drop_table()
         store = self._closing_store()
         if store is None:
             self.session.abandon()
         else:
             try:
-                for child in live:
-                    self._reclaim(child, store)
                 self.session.leave(store)
             except GigashuffleError as exc:
                 log.warning("could not leave the queue session cleanly: %s", exc)

@@ -1,4 +1,4 @@
-"""What every loader child shares: its spec, its Redis handle, and how it gets the node buffer.
+"""What every loader child shares: its spec, its Redis handle, and how it gets the node buffer and slot table.
 
 ``child_main`` is the entry point the zygote runs in each forked child; it hands over to ``writer.run`` or
 ``reader.run`` and, if they raise, sends the formatted traceback to the trainer before exiting, so the trainer
@@ -21,13 +21,14 @@ from .attach import AttachServer, attach
 from .buffer import SharedMemory, SlotBuffer
 from .channel import Channel
 from .config import DataloaderConfig
+from .control import ControlPlane
 from .errors import AttachError
 from .keys import QueueKeys
 from .meta import signed_meta, verified_layout
 from .redisconn import connect
 from .runtime import attach_socket_path, node_secret
 from .schema import Layout
-from .slots import SlotStore
+from .slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,11 @@ class ChildEnv:
         self.config = spec.config
         self.proc = proc_name(spec.config.global_rank, spec.role, spec.index, os.getpid())
         self.client = connect(spec.redis_url, spec.config.redis_timeout_s)
-        self.store = SlotStore(self.client, QueueKeys(spec.config.queue_name, spec.config.node), spec.generation)
+        self.store = ControlPlane(self.client, QueueKeys(spec.config.queue_name, spec.config.node), spec.generation)
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
         self.buffer: SlotBuffer | None = None
+        self.table: SlotTable | None = None
         self.server: AttachServer | None = None
         self.owner = False
         self.register()
@@ -103,8 +105,10 @@ class ChildEnv:
 
     # -- the node buffer -------------------------------------------------------------------------------------
     def publish_buffer(self, layout: Layout, first_row: bytes) -> bool:
-        """Allocate the buffer and publish it, unless another process got there first; True if we own it."""
+        """Allocate the buffer and its slot table and publish them, unless another process got there first; True
+        if we own them."""
         buffer = SlotBuffer(layout, self.config.shuffle_size)
+        table = SlotTable(self.config.shuffle_size)
         fields = {
             "layout": layout.to_json().encode(),
             "slots": str(self.config.shuffle_size).encode(),
@@ -114,16 +118,17 @@ class ChildEnv:
         }
         # Listen before publishing, but list the socket in Redis only once the seed is won: a loser's own buffer
         # must never be handed out (a reader that attached through it would gather zeros forever).
-        self.buffer, self.owner = buffer, True
+        self.buffer, self.table, self.owner = buffer, table, True
         self._serve(register=False)
-        if self.store.seed(self.config.shuffle_size, signed_meta(self.secret, self.spec.generation, fields)):
+        if self.store.seed(signed_meta(self.secret, self.spec.generation, fields)):
             self.register()
             _retitle(" owner")
             return True
         if self.server is not None:
             self.server.close()
-        self.server, self.buffer, self.owner = None, None, False
+        self.server, self.buffer, self.table, self.owner = None, None, None, False
         buffer.close()
+        table.close()
         return False
 
     def read_meta(self) -> tuple[Layout, dict[str, bytes]]:
@@ -134,40 +139,73 @@ class ChildEnv:
         return verified_layout(self.secret, self.spec.generation, meta, self.config.queue_name), meta
 
     def attach_buffer(self) -> Layout:
-        """Map the published buffer through any process that serves it, then serve it ourselves."""
+        """Map the published buffer and slot table through any process that serves them, then serve them too."""
         layout, meta = self.read_meta()
-        nbytes = int(meta["nbytes"])
-        deadline = time.monotonic() + self.config.redis_timeout_s
-        backoff = Backoff(cap_s=0.05)
-        errors: list[str] = []
-        while self.buffer is None:
-            for info in self.store.processes().values():
-                path = info.get("attach")
-                if not path:
-                    continue
-                try:
-                    _info, fds = attach(path)
-                except AttachError as exc:
-                    errors.append(str(exc))
-                    continue
-                for extra_fd in fds[1:]:
-                    os.close(extra_fd)
-                self.buffer = SlotBuffer(layout, self.config.shuffle_size, SharedMemory(nbytes, fds[0]))
-                break
-            if self.buffer is None:
-                if time.monotonic() > deadline:
-                    raise AttachError(f"no process serves the buffer of {self.config.queue_name!r}: {errors[-3:]}")
-                backoff.sleep()
+        slots = self.config.shuffle_size
+        buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, self.config.redis_timeout_s)
+        self.buffer = SlotBuffer(layout, slots, SharedMemory(int(meta["nbytes"]), buffer_fd))
+        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
         self._serve()
         return layout
 
     def _serve(self, register: bool = True) -> None:
-        if self.buffer is None or self.buffer.memory.fd is None:
+        if self.buffer is None or self.buffer.memory.fd is None or self.table is None or self.table.fd is None:
             raise AssertionError("serving a buffer this process does not hold")
         path = attach_socket_path(os.getpid(), self.runtime_dir)
-        self.server = AttachServer(path, (self.buffer.memory.fd,), {"nbytes": self.buffer.nbytes})
+        fds = (self.buffer.memory.fd, self.table.fd)
+        self.server = AttachServer(path, fds, {"nbytes": self.buffer.nbytes})
         if register:
             self.register()
+
+
+def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[int, int]:
+    """The node buffer's memfd and its slot table's, from any process that serves them (the caller closes them)."""
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(cap_s=0.05)
+    errors: list[str] = []
+    while True:
+        for info in store.processes().values():
+            path = info.get("attach")
+            if not path:
+                continue
+            try:
+                _info, fds = attach(path)
+            except AttachError as exc:
+                errors.append(str(exc))
+                continue
+            if len(fds) == 2:
+                return fds[0], fds[1]
+            for fd in fds:
+                os.close(fd)
+            errors.append(f"{path} sent {len(fds)} fds, not the buffer's and the slot table's")
+        if time.monotonic() > deadline:
+            raise AttachError(f"no process serves the buffer of {queue!r}: {errors[-3:]}")
+        backoff.sleep()
+
+
+class Housekeeping:
+    """What a child does about once a second, off the hot path: repair slots of dead holders, flush counters."""
+
+    def __init__(self, env: ChildEnv, period_s: float = 1.0) -> None:
+        self.env = env
+        self.period_s = period_s
+        self.written = 0
+        self.read = 0
+        self._due = time.monotonic() + period_s
+
+    def tick(self) -> None:
+        if time.monotonic() < self._due:
+            return
+        self._due = time.monotonic() + self.period_s
+        table = self.env.table
+        if table is None:
+            return
+        repaired = table.repair()
+        if repaired:
+            log.info("returned %d slots of dead processes", repaired)
+        stats = table.snapshot().stats()
+        self.env.store.flush_counters(self.written, self.read, stats.full, stats.empty, stats.in_flight)
+        self.written = self.read = 0
 
 
 def _retitle(suffix: str = "", title: str | None = None) -> None:

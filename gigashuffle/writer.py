@@ -1,16 +1,18 @@
 """The writer loop: pull chunks from the dataset, copy their rows into empty slots, publish them.
 
 NOTE [ Writer cycle ]
-Two round trips per chunk in steady state: one ``WRITER_CYCLE`` call leases empty slots for the chunk in hand,
-and one publishes them as soon as the rows are copied. (Publishing with the next chunk's lease saved a call, but
-kept a chunk invisible for as long as the dataset took to produce the next one, forever for a finite source.) When
-fewer empty slots are free than the chunk has rows, the writer copies what fits and asks again, backing off from
-0.5 ms while nothing is free. Rows are copied with one ``index_copy_`` per field.
+Per piece of a chunk: ``acquire_empty`` takes up to that many empty slots in the slot table (they become
+``writing`` under this pid), the rows are copied with one ``index_copy_`` per field without any lock held, and
+``commit_written`` publishes them (``full``, each with a new version) at once: a dataset that waits for data, or
+has none left, never keeps rows it wrote invisible. Two lock round trips per piece, no Redis. When nothing is
+empty the writer backs off from 0.5 ms and meanwhile answers the trainer's messages. A writer killed mid-copy
+leaves ``writing`` slots under its pid, which ``repair()`` returns to empty (their rows may be torn).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -22,12 +24,9 @@ from torch.utils.data._utils import worker as torch_worker
 from .channel import Channel
 from .errors import SchemaError
 from .schema import Layout
-from .slots import SlotIds
-from .workers import Backoff, ChildEnv, ChildSpec
+from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
 log = logging.getLogger(__name__)
-
-_NO_SLOTS: SlotIds = np.empty(0, dtype=np.int32)
 
 
 class _Chunks:
@@ -126,29 +125,28 @@ def run(spec: ChildSpec, channel: Channel) -> None:
 
 
 def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
-    buffer = env.buffer
-    if buffer is None:
+    buffer, table = env.buffer, env.table
+    if buffer is None or table is None:
         raise AssertionError("writer has no buffer after attach")
+    me = os.getpid()
+    chores = Housekeeping(env)
     backoff = Backoff()
-    written = _NO_SLOTS
     while True:
         rows, as_bytes = layout.rows_in(chunk)
         done = 0
         while done < rows:
-            slots = env.store.writer_cycle(env.proc, written, rows - done)
-            written = _NO_SLOTS
+            slots = table.acquire_empty(me, rows - done)
             if len(slots) == 0:
                 _handle_control(env, chunks)
+                chores.tick()
                 backoff.sleep()
                 continue
             backoff.reset()
-            use = slots[: rows - done]
-            buffer.write(torch.from_numpy(use.astype(np.int64)), as_bytes, done)
-            written = use
-            done += len(use)
-        # Publish the chunk now rather than with the next chunk's lease: a dataset that waits for data (or has
-        # none left) must not keep rows it already wrote invisible to the readers.
-        env.store.writer_cycle(env.proc, written, 0)
-        written = _NO_SLOTS
+            buffer.write(torch.from_numpy(slots.astype(np.int64)), as_bytes, done)
+            if table.commit_written(me, slots) != len(slots):
+                raise AssertionError(f"writer {me} lost slots it was writing (repaired as a dead holder's?)")
+            done += len(slots)
+        chores.written += rows
+        chores.tick()
         _handle_control(env, chunks)
         chunk = chunks.next()

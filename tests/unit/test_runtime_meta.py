@@ -28,7 +28,7 @@ from gigashuffle.runtime import (
     verify,
 )
 from gigashuffle.schema import Layout
-from gigashuffle.slots import SlotStore
+from gigashuffle.control import ControlPlane
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 ENV = "GIGASHUFFLE_RUNTIME_DIR"
@@ -207,17 +207,17 @@ def client(redis_url: str) -> Iterator[Client]:
 
 
 @pytest.fixture
-def published(client: Client) -> tuple[SlotStore, bytes]:
+def published(client: Client) -> tuple[ControlPlane, bytes]:
     """Metadata published the way writers do it (seed), read back from Redis as bytes."""
     secret = os.urandom(32)
     keys = QueueKeys(QUEUE, "n0")
     client.set(keys.gen, GEN)
-    store = SlotStore(client, keys, generation=GEN)
-    assert store.seed(64, signed_meta(secret, GEN, fields()))
+    store = ControlPlane(client, keys, generation=GEN)
+    assert store.seed(signed_meta(secret, GEN, fields()))
     return store, secret
 
 
-def test_intact_metadata_is_accepted(published: tuple[SlotStore, bytes]) -> None:
+def test_intact_metadata_is_accepted(published: tuple[ControlPlane, bytes]) -> None:
     store, secret = published
     meta = store.meta()
     assert set(meta) == {"layout", "slots", "first_row", "owner", "nbytes", "hmac"}
@@ -236,7 +236,7 @@ def test_intact_metadata_is_accepted(published: tuple[SlotStore, bytes]) -> None
     ],
 )
 def test_modified_field_is_refused(
-    published: tuple[SlotStore, bytes], client: Client, field: str, value: str | bytes
+    published: tuple[ControlPlane, bytes], client: Client, field: str, value: str | bytes
 ) -> None:
     store, secret = published
     client.hset(store.keys.meta, field, value)  # another user with access to Redis rewrites a field
@@ -247,26 +247,26 @@ def test_modified_field_is_refused(
 
 
 @pytest.mark.parametrize("field", ["hmac", "layout", "first_row"])
-def test_missing_field_is_refused_and_named(published: tuple[SlotStore, bytes], client: Client, field: str) -> None:
+def test_missing_field_is_refused_and_named(published: tuple[ControlPlane, bytes], client: Client, field: str) -> None:
     store, secret = published
     client.hdel(store.keys.meta, field)
     with pytest.raises(TamperedMetadataError, match=f"missing {field}"):
         verified_layout(secret, GEN, store.meta(), QUEUE)
 
 
-def test_metadata_of_another_generation_is_refused(published: tuple[SlotStore, bytes]) -> None:
+def test_metadata_of_another_generation_is_refused(published: tuple[ControlPlane, bytes]) -> None:
     store, secret = published
     with pytest.raises(TamperedMetadataError):
         verified_layout(secret, "gen-later", store.meta(), QUEUE)
 
 
-def test_metadata_signed_with_another_secret_is_refused(published: tuple[SlotStore, bytes]) -> None:
+def test_metadata_signed_with_another_secret_is_refused(published: tuple[ControlPlane, bytes]) -> None:
     store, _secret = published
     with pytest.raises(TamperedMetadataError, match="not written by a gigashuffle process of this user"):
         verified_layout(os.urandom(32), GEN, store.meta(), QUEUE)
 
 
-def test_re_signed_forgery_needs_the_secret(published: tuple[SlotStore, bytes], client: Client) -> None:
+def test_re_signed_forgery_needs_the_secret(published: tuple[ControlPlane, bytes], client: Client) -> None:
     # A forger can replace the whole hash, hmac included, but cannot sign without the node secret.
     store, secret = published
     forged = signed_meta(b"\x00" * 32, GEN, fields(Layout.from_chunk([{"x": torch.zeros(2, 9)}])))

@@ -160,18 +160,43 @@ def test_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(
     # What the dead job's session left behind: it must not leak into the new one.
     client.set(NODE0.gen, "old-generation")
     client.set(NODE0.conf, '{"bs": 99}')
-    client.sadd(NODE0.full, 1, 2, 3)
-    client.sadd(NODE0.empty, 4)
+    client.hset(NODE0.counters, "written", 7)
     client.hset(NODE0.meta, "layout", "old")
     client.hset(NODE0.procs, "w0", json.dumps({"role": "writer"}))
-    client.sadd(NODE0.lease("w0"), 5)
 
     s0 = join(config(0))
     assert s0.generation != "old-generation"
     assert client.get(NODE0.rank(0)) == s0.token.encode()
     assert client.get(NODE0.conf) == shared_conf(config(0)).encode()
-    for key in (NODE0.full, NODE0.empty, NODE0.meta, NODE0.procs, NODE0.lease("w0")):
+    for key in (NODE0.counters, NODE0.meta, NODE0.procs):
         assert client.exists(key) == 0, key
+
+
+def test_a_session_restored_from_another_server_is_not_joined(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client
+) -> None:
+    """A snapshot-restored (or failed-over) server brings back an older session with a live-looking claim of
+    another rank: that session describes processes and a buffer that may be gone, so a new one starts."""
+    client.set(NODE0.gen, "0123456789abcdef0123456789abcdef01234567/old")
+    client.set(NODE0.conf, shared_conf(config(0)))
+    client.set(NODE0.rank(1), "somehost:1:restored", px=LEASE_MS)
+    client.hset(NODE0.meta, "layout", "old")
+    s0 = join(config(0))
+    run_id = client.info("server")["run_id"]
+    assert s0.generation.startswith(run_id + "/") and s0.server_id == run_id
+    assert client.exists(NODE0.meta) == 0 and client.exists(NODE0.rank(1)) == 0
+    assert join(config(1)).generation == s0.generation  # a rank of the same server joins it
+
+
+def test_heartbeat_notices_another_server(
+    join: Callable[[DataloaderConfig], NodeSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.05)
+    s0 = join(config(0))
+    assert s0.lost is None
+    s0.server_id = "an-earlier-server"  # as if the server had been restarted with all its data since the join
+    wait_until(lambda: s0.lost is not None, timeout_s=DEADLINE_S, what="the heartbeat to notice the new run_id")
+    assert "run_id" in str(s0.lost)
 
 
 def test_different_shared_config_is_refused(join: Callable[[DataloaderConfig], NodeSession], client: Client) -> None:
@@ -209,16 +234,13 @@ def test_last_leave_deletes_every_key_of_the_queue(
     s1 = join(config(1))
     other_node = join(config(2))
     store = s0.store
-    # A running session: metadata, every slot set, two registered processes with leases, a deferred eviction.
-    assert store.seed(10, {"layout": "{}", "slots": "10"})
+    # A running session: metadata, two registered processes, flushed counters.
+    assert store.seed({"layout": "{}", "slots": "10", "owner": "w0"})
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
-    written = store.writer_cycle("w0", store.writer_cycle("w0", [], 6), 2)
-    assert len(written) == 2
-    batch = store.reader_cycle("r0", [], 2, 2, False)
-    assert store.evict(batch[:1]) == 1
+    store.flush_counters(6, 2, 4, 4, 2)
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
-    expected = {*NODE0.fixed(), NODE0.lease("w0"), NODE0.lease("r0"), NODE0.rank(0), NODE0.rank(1)}
+    expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}
     assert ours == expected
 
     assert s0.leave() is False  # rank 1 is still there

@@ -1,6 +1,7 @@
-"""The Redis side of the loader: one method per slot transition, each one round trip.
+"""The control plane: every Redis call a loader makes, none of them per batch.
 
-See NOTE [ Slot states ] in ``scripts.py`` for the state machine these methods drive.
+See NOTE [ Control plane ] in ``scripts.py``: sessions, claims, metadata, the process registry and counters. The
+slots themselves live in the slot table (``slottable.py``).
 """
 
 from __future__ import annotations
@@ -9,19 +10,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
+from redis.cluster import RedisCluster
 
 from . import scripts
 from .keys import QueueKeys
 from .redisconn import Client, address, translate_errors
-
-SlotIds = npt.NDArray[np.int32]
-_NO_SLOTS: SlotIds = np.empty(0, dtype=np.int32)
-
-
-def pack(slot_ids: npt.ArrayLike) -> bytes:
-    return np.asarray(slot_ids, dtype="<i4").tobytes()
 
 
 def text(value: bytes | str) -> str:
@@ -29,20 +22,15 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def unpack(reply: bytes) -> SlotIds:
-    """Slot ids from a script's comma-separated reply (numpy parses it in C)."""
-    if not reply:
-        return _NO_SLOTS
-    return np.fromstring(reply, dtype=np.int32, sep=",")  # text mode: not the deprecated binary one
-
-
 @dataclass(frozen=True)
-class ShuffleBufferStats:
-    """Slot counts of a node's buffer: ``full + empty + in_flight == shuffle_size`` once it is allocated."""
+class QueueStats:
+    """What Redis knows of a node's queue: its generation and the slot counts its processes last flushed."""
 
+    generation: bytes | None
     full: int
     empty: int
     in_flight: int
+    processes: int
 
 
 @dataclass(frozen=True)
@@ -52,8 +40,8 @@ class JoinResult:
     new_session: bool
 
 
-class SlotStore:
-    """Slot bookkeeping of one queue on one node, for one process and one session generation."""
+class ControlPlane:
+    """The Redis side of one queue on one node, for one process and one session generation."""
 
     def __init__(self, client: Client, keys: QueueKeys, generation: str = "") -> None:
         self.client = client
@@ -62,10 +50,7 @@ class SlotStore:
         self._where = address(client)
         # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT).
         self._seed = client.register_script(scripts.SEED)
-        self._writer = client.register_script(scripts.WRITER_CYCLE)
-        self._reader = client.register_script(scripts.READER_CYCLE)
-        self._evict = client.register_script(scripts.EVICT)
-        self._reclaim = client.register_script(scripts.RECLAIM)
+        self._flush = client.register_script(scripts.FLUSH_COUNTERS)
         self._stats = client.register_script(scripts.STATS)
         self._join = client.register_script(scripts.JOIN)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
@@ -76,40 +61,17 @@ class SlotStore:
         with translate_errors(self._where):
             return script(keys=keys, args=args)
 
-    # -- writers ---------------------------------------------------------------------------------------------
-    def seed(self, slots: int, meta: dict[str, bytes | str]) -> bool:
-        """Publish the buffer's metadata and mark every slot empty; False if another process already did."""
+    # -- the buffer and the processes ------------------------------------------------------------------------
+    def seed(self, meta: dict[str, bytes | str]) -> bool:
+        """Publish the buffer's metadata; False if another process already did."""
         pairs: list[Any] = [x for item in meta.items() for x in item]
-        k = self.keys
         owner = meta.get("owner", b"")
-        return bool(self._run(self._seed, [k.gen, k.meta, k.empty], [self.generation, slots, owner, *pairs]))
+        return bool(self._run(self._seed, [self.keys.gen, self.keys.meta], [self.generation, owner, *pairs]))
 
-    def writer_cycle(self, proc: str, written: SlotIds, want: int) -> SlotIds:
+    def flush_counters(self, written: int, read: int, full: int, empty: int, in_flight: int) -> None:
+        """Add the rows written and read since the last flush; record the slot counts (about once a second)."""
         k = self.keys
-        first = int(written[0]) if len(written) else ""
-        args = [self.generation, len(written), first, want]
-        return unpack(self._run(self._writer, [k.gen, k.empty, k.full, k.lease(proc), k.counters], args))
-
-    # -- readers ---------------------------------------------------------------------------------------------
-    def reader_cycle(self, proc: str, done: SlotIds, want: int, min_full: int, evict_on_read: bool) -> SlotIds:
-        k = self.keys
-        reply = self._run(
-            self._reader,
-            [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.evict_pending, k.counters],
-            [self.generation, int(done[0]) if len(done) else "", want, min_full, "1" if evict_on_read else "0"],
-        )
-        return unpack(reply)
-
-    def evict(self, slot_ids: npt.ArrayLike) -> int:
-        k = self.keys
-        keys = [k.gen, k.empty, k.full, k.reading, k.evict_pending]
-        return int(self._run(self._evict, keys, [self.generation, pack(slot_ids)]))
-
-    # -- supervision -----------------------------------------------------------------------------------------
-    def reclaim(self, proc: str, role: str) -> int:
-        k = self.keys
-        keys = [k.gen, k.empty, k.full, k.lease(proc), k.reading, k.procs, k.evict_pending]
-        return int(self._run(self._reclaim, keys, [self.generation, proc, role]))
+        self._run(self._flush, [k.gen, k.counters], [self.generation, written, read, full, empty, in_flight])
 
     def register(self, proc: str, info: dict[str, Any]) -> None:
         with translate_errors(self._where):
@@ -120,10 +82,21 @@ class SlotStore:
             raw = self.client.hgetall(self.keys.procs)
         return {text(k): json.loads(v) for k, v in raw.items()}
 
-    def stats(self) -> tuple[bytes | None, int, int, int]:
+    def stats(self) -> QueueStats:
         k = self.keys
-        gen, full, empty, procs = self._run(self._stats, [k.gen, k.full, k.empty, k.procs], [])
-        return gen, int(full), int(empty), int(procs)
+        gen, full, empty, in_flight, procs = self._run(self._stats, [k.gen, k.counters, k.procs], [])
+        return QueueStats(gen, int(full), int(empty), int(in_flight), int(procs))
+
+    def server_id(self) -> str:
+        """The ``run_id`` of the server holding this queue's keys. A restarted, snapshot-restored or failed-over
+        server has a new one, whatever data it came back with."""
+        with translate_errors(self._where):
+            if isinstance(self.client, RedisCluster):
+                node = self.client.get_node_from_key(self.keys.gen)  # type: ignore[no-untyped-call]
+                info = self.client.info("server", target_nodes=node)
+            else:
+                info = self.client.info("server")
+        return str(info["run_id"])
 
     def counters(self) -> tuple[int, int]:
         """Rows ``(written, read)`` this session."""
@@ -138,10 +111,7 @@ class SlotStore:
 
     # -- trainers --------------------------------------------------------------------------------------------
     def _session_keys(self) -> list[str]:
-        with translate_errors(self._where):
-            procs = [text(p) for p in self.client.hkeys(self.keys.procs)]
-        fixed = [key for key in self.keys.fixed() if key not in (self.keys.gen, self.keys.conf)]
-        return fixed + [self.keys.lease(p) for p in procs]
+        return [key for key in self.keys.fixed() if key not in (self.keys.gen, self.keys.conf)]
 
     def join(
         self, rank: int, other_ranks: list[int], token: str, lease_ms: int, conf: str, new_gen: str

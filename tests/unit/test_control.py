@@ -1,0 +1,97 @@
+"""The control-plane scripts (NOTE [ Control plane ] in scripts.py) against a real Redis server.
+
+The slot transitions are not here: they live in the slot table (tests/unit/test_slottable.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from gigashuffle import QueueStateLostError
+from gigashuffle.control import ControlPlane, QueueStats
+from gigashuffle.keys import PREFIX, QueueKeys
+from gigashuffle.redisconn import Client, connect
+
+GEN = "gen-1"
+KEYS = QueueKeys("slots-test", "n0")
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Client]:
+    c = connect(redis_url, total_timeout_s=5.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def store(client: Client) -> ControlPlane:
+    """A store of the current generation, as NodeSession.join leaves it (the gen key set, nothing seeded)."""
+    client.set(KEYS.gen, GEN)
+    return ControlPlane(client, KEYS, generation=GEN)
+
+
+def test_every_key_of_a_queue_shares_one_hash_tag() -> None:
+    keys = QueueKeys("train/a@b", "n3")
+    all_keys = [*keys.fixed(), keys.rank(12)]
+    assert len(set(all_keys)) == len(all_keys)
+    for key in all_keys:
+        assert key.startswith(f"{PREFIX}:{{train/a@b@n3}}:")
+        assert QueueKeys.parse_tag(key) == ("train/a@b", "n3")
+    assert QueueKeys.parse_tag("other:{x@y}:gen") is None
+    assert QueueKeys.parse_tag(f"{PREFIX}:nobraces") is None
+
+
+def test_seed_publishes_meta_once(store: ControlPlane) -> None:
+    assert store.seed({"layout": "L1", "slots": "10", "first_row": b"\x00\xff", "owner": "w0"}) is True
+    assert store.meta() == {"layout": b"L1", "slots": b"10", "first_row": b"\x00\xff", "owner": b"w0"}
+    # A retry of the winner's call (a lost reply) still says it won; a second writer loses and changes nothing.
+    assert store.seed({"layout": "L1", "slots": "10", "owner": "w0"}) is True
+    assert store.seed({"layout": "L2", "slots": "10", "owner": "w1"}) is False
+    assert store.meta()["layout"] == b"L1"
+
+
+def test_stale_generation_is_refused(store: ControlPlane, client: Client) -> None:
+    stale = ControlPlane(client, KEYS, generation="gen-0")
+    calls = {
+        "seed": lambda: stale.seed({"layout": "x", "owner": "w9"}),
+        "flush_counters": lambda: stale.flush_counters(5, 5, 1, 2, 3),
+    }
+    for name, call in calls.items():
+        with pytest.raises(QueueStateLostError, match="gen-0") as info:
+            call()
+        assert "GIGASHUFFLE_STALE" in str(info.value), name
+    assert not client.exists(KEYS.meta) and not client.exists(KEYS.counters)  # nothing written
+
+
+def test_state_lost_after_flush_is_refused(store: ControlPlane, client: Client) -> None:
+    assert store.seed({"layout": "x", "owner": "w0"})
+    client.flushall()
+    with pytest.raises(QueueStateLostError, match="Redis was restarted"):
+        store.flush_counters(1, 0, 0, 0, 0)
+    with pytest.raises(QueueStateLostError):
+        store.seed({"layout": "x", "owner": "w0"})
+    assert client.dbsize() == 0  # a stale process recreated nothing
+
+
+def test_counters_add_up_and_stats_report_the_last_flushed_counts(store: ControlPlane, client: Client) -> None:
+    assert store.stats() == QueueStats(GEN.encode(), 0, 0, 0, 0)
+    store.flush_counters(10, 0, 6, 2, 2)
+    store.flush_counters(0, 4, 3, 5, 2)
+    store.register("w0", {"role": "writer", "index": 0})
+    store.register("r0", {"role": "reader", "index": 0})
+    assert store.counters() == (10, 4)
+    assert store.stats() == QueueStats(GEN.encode(), 3, 5, 2, 2)
+    assert store.processes() == {"w0": {"role": "writer", "index": 0}, "r0": {"role": "reader", "index": 0}}
+    assert json.loads(client.hget(KEYS.procs, "r0")) == {"role": "reader", "index": 0}
+
+
+def test_stats_without_a_session(client: Client) -> None:
+    assert ControlPlane(client, KEYS, generation="x").stats() == QueueStats(None, 0, 0, 0, 0)
+
+
+def test_server_id_is_the_run_id(store: ControlPlane, client: Client) -> None:
+    run_id = store.server_id()
+    assert len(run_id) == 40 and run_id == client.info("server")["run_id"]
