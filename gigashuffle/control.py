@@ -77,6 +77,11 @@ class ControlPlane:
         with translate_errors(self._where):
             self.client.hset(self.keys.procs, proc, json.dumps(info))
 
+    def unregister(self, proc: str) -> None:
+        """Forget a dead process, so nobody tries its attach socket and stats stop counting it."""
+        with translate_errors(self._where):
+            self.client.hdel(self.keys.procs, proc)
+
     def processes(self) -> dict[str, dict[str, Any]]:
         with translate_errors(self._where):
             raw = self.client.hgetall(self.keys.procs)

@@ -275,15 +275,17 @@ class Supervisor:
         return ControlPlane(client, self.session.store.keys, self.session.store.generation)
 
     def _reclaim(self, child: ChildProcess) -> None:
+        """Repair a dead child's slots in the table, then drop it from the process registry."""
         if child.pid is None:
             return
         try:
             table = self.table()
+            if table is not None:
+                log.debug("repaired %d slots of %s", table.repair(dead=[child.pid]), child.proc_id)
+            if child.proc_id:
+                self.session.store.unregister(child.proc_id)
         except GigashuffleError as exc:
-            log.warning("could not map the slot table to repair the slots of %s: %s", child.proc_id, exc)
-            return
-        if table is not None:
-            log.debug("repaired %d slots of %s", table.repair(dead=[child.pid]), child.proc_id)
+            log.warning("could not reclaim the slots of %s: %s", child.proc_id, exc)
 
     # -- batches ---------------------------------------------------------------------------------------------
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import leaks
+import numpy as np
 import psutil
 import pytest
 import redis
@@ -39,7 +40,13 @@ from chaos_datasets import check_batch, writer_of
 from redis_servers import wait_until
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.buffer import SharedMemory
+from gigashuffle.control import ControlPlane
+from gigashuffle.errors import AttachError
 from gigashuffle.keys import QueueKeys
+from gigashuffle.redisconn import connect
+from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
+from gigashuffle.workers import fetch_node_fds
 
 REPORT_ENV = "GIGASHUFFLE_CHAOS_REPORT"
 DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"
@@ -122,49 +129,46 @@ class FreshScan:
             return list(client.scan_iter(match=match, count=count))
 
 
-# empty and the leases are lists, full is a set (NOTE [ Slot states ] in scripts.py).
-_AUDIT = """
-local function members(key)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'set' then return redis.call('SMEMBERS', key) end
-  if kind == 'list' then return redis.call('LRANGE', key, 0, -1) end
-  if kind == 'none' then return {} end
-  return redis.error_reply('audit: ' .. key .. ' is a ' .. kind)
-end
-local out = {members(KEYS[1]), members(KEYS[2]), redis.call('HKEYS', KEYS[3])}
-for _, key in ipairs(redis.call('KEYS', ARGV[1])) do
-  out[#out + 1] = key
-  out[#out + 1] = members(key)
-end
-return out
-"""
+@contextlib.contextmanager
+def node_table(url: str, keys: QueueKeys, shuffle_size: int) -> Iterator[SlotTable | None]:
+    """The node's slot table, mapped through any attach socket its processes list (None if nobody serves it)."""
+    client = connect(url, total_timeout_s=5.0)
+    try:
+        try:
+            buffer_fd, table_fd = fetch_node_fds(ControlPlane(client, keys), keys.queue, 2.0)
+        except AttachError:
+            yield None
+            return
+        os.close(buffer_fd)
+        table = SlotTable(shuffle_size, SharedMemory(table_nbytes(shuffle_size), table_fd))
+        try:
+            yield table
+        finally:
+            table.close()
+    finally:
+        client.close()
 
 
 def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool = True) -> dict[str, Any]:
-    """One atomic look at the slot containers: every slot must be in exactly one of empty, full and one lease.
+    """One atomic look at the slot table (under its lock): every slot in exactly one known state.
 
-    Sets or lists alike (a list may not hold a slot twice either). With ``settled`` every lease must also belong
-    to a registered process (dead ones were reclaimed).
+    With ``settled`` every slot being written or read must also be held by a live, registered process (those
+    of dead ones were repaired).
     """
+    with node_table(url, keys, shuffle_size) as table:
+        assert table is not None, "no process serves the node buffer and its slot table"
+        with table._locked():
+            state, holder = table.state.copy(), table.holder.copy()
     with redis.Redis.from_url(url, socket_timeout=10.0) as client:
-        raw = client.eval(_AUDIT, 3, keys.empty, keys.full, keys.procs, keys.lease("*"))
-    empty = [int(s) for s in raw[0]]
-    full = [int(s) for s in raw[1]]
-    procs = {p.decode() for p in raw[2]}
-    prefix = keys.lease("")
-    leases = {raw[i].decode().removeprefix(prefix): [int(s) for s in raw[i + 1]] for i in range(3, len(raw), 2)}
-    places: dict[int, list[str]] = {}
-    for name, members in [("empty", empty), ("full", full), *leases.items()]:
-        for slot in members:
-            places.setdefault(slot, []).append(name)
-    twice = {slot: where for slot, where in places.items() if len(where) > 1}
-    missing = sorted(set(range(shuffle_size)) - set(places))
-    stray = sorted(set(places) - set(range(shuffle_size)))
-    assert not twice and not missing and not stray, f"slot sets broken: twice={twice} missing={missing} stray={stray}"
+        procs = {int(json.loads(v)["pid"]) for v in client.hvals(keys.procs)}
+    assert len(state) == shuffle_size
+    unknown = sorted(set(np.unique(state).tolist()) - {EMPTY, WRITING, FULL, READING, READING_EVICT})
+    assert not unknown, f"slots in unknown states {unknown}"
+    held = np.isin(state, (WRITING, READING, READING_EVICT))
     if settled:
-        orphans = sorted(set(leases) - procs)
-        assert not orphans, f"leases of processes that are not registered (never reclaimed): {orphans}"
-    return {"empty": len(empty), "full": len(full), "leased": sum(len(m) for m in leases.values())}
+        orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
+        assert not orphans, f"slots held by processes that are dead or not registered (never repaired): {orphans}"
+    return {"empty": int((state == EMPTY).sum()), "full": int((state == FULL).sum()), "leased": int(held.sum())}
 
 
 # -- iteration ---------------------------------------------------------------------------------------------
@@ -359,13 +363,17 @@ class Chaos:
 
     def full_slots(self, url: str, keys: QueueKeys) -> int:
         with redis.Redis.from_url(url, socket_timeout=5.0) as client:
-            return int(client.scard(keys.full))
+            size = int(client.hget(keys.meta, "slots") or 0)  # 0: no buffer published yet
+        if not size:
+            return 0
+        with node_table(url, keys, size) as table:
+            return 0 if table is None else table.snapshot().full
 
     def consumer(self, loader: MultiprocessShuffledDataloader) -> Consumer:
         return Consumer(loader)
 
     def assert_stats(self, loader: MultiprocessShuffledDataloader) -> dict[str, Any]:
-        """stats() adds up to shuffle_size and the slot sets in Redis partition the buffer."""
+        """stats() adds up to shuffle_size and the slot table accounts for every slot."""
         cfg = loader.config
         stats = loader.stats()
         assert min(stats.full, stats.empty, stats.in_flight) >= 0, stats

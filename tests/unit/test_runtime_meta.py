@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gigashuffle import GigashuffleError, TamperedMetadataError, runtime
+from gigashuffle.control import ControlPlane
 from gigashuffle.keys import QueueKeys
 from gigashuffle.meta import signed_meta, verified_layout
 from gigashuffle.redisconn import Client, connect
@@ -28,7 +29,6 @@ from gigashuffle.runtime import (
     verify,
 )
 from gigashuffle.schema import Layout
-from gigashuffle.control import ControlPlane
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 ENV = "GIGASHUFFLE_RUNTIME_DIR"
