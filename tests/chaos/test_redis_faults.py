@@ -1,4 +1,5 @@
-"""Redis faults: killed and restarted empty mid-run, unreachable at start, and paused (SIGSTOP) for ~3 s.
+"""Redis faults: killed and restarted empty mid-run, restarted from an older snapshot, flushed, unreachable at
+start, and paused (SIGSTOP) for ~3 s.
 
 A restart without persistence loses the queue's whole state. With restarts allowed (``max_restarts > 0``) the
 loader must recover (a new session: fresh generation, respawned children, rows from new writer processes) within
@@ -16,6 +17,7 @@ from chaos_datasets import ChaosDataset
 from redis_servers import free_port
 
 from gigashuffle import MultiprocessShuffledDataloader, QueueStateLostError, RedisUnavailableError
+from gigashuffle.keys import QueueKeys
 
 RESTART_LIMIT_S = 40.0
 RECOVERED_BATCHES = 30  # batches of post-restart writers that count as "recovered"
@@ -64,6 +66,55 @@ def test_redis_restart_mid_run(chaos: Any, redis_server: Any, redis_url: str, ma
     if outcome == "recovered":
         extra.update(chaos.assert_stats(loader))
     chaos.finish(outcome, detect_s=detect_s, **extra)
+
+
+@pytest.mark.parametrize(("fault", "seed"), [("snapshot", 0), ("snapshot", 1), ("flushall", 0), ("flushall", 1)])
+def test_redis_restored_from_an_older_snapshot_or_flushed(
+    chaos: Any, redis_server: Any, redis_url: str, fault: str, seed: int
+) -> None:
+    """A server that comes back with an older snapshot (SAVE, run on, kill, start on the same directory) still
+    holds the queue's session: generation, claim, metadata, processes, as they were at the SAVE. One that is
+    flushed holds nothing. Either way the loader notices (the restored server has a new run_id), starts a new
+    session and batches keep coming; no row is delivered twice or torn, and nothing leaks."""
+    directory = getattr(redis_server, "directory", None)
+    if fault == "snapshot" and directory is None:
+        pytest.skip("the snapshot case needs a server whose data directory survives a restart (the binary one)")
+    rng = chaos.begin("Redis restored or flushed", f"{fault} mid-run", seed, redis_url)
+    cfg = chaos.config(bs=rng.choice((4, 8)), num_readers=rng.choice((1, 2)), max_restarts=3)
+    keys = QueueKeys(cfg.queue_name, cfg.node)
+    loader = chaos.loader(ChaosDataset(rows=8), cfg)
+    consumer = chaos.consumer(loader)
+    consumer.take(rng.randint(5, 30))
+    dump = None if directory is None else directory / "dump.rdb"
+    old_writers = set(loader.child_pids()["writer"])
+    try:
+        if fault == "snapshot":
+            with redis_server.client() as client:
+                client.save()
+            consumer.take(rng.randint(5, 30))  # run on: rows written and read after the snapshot was taken
+            redis_server.kill()
+            redis_server.restart()
+            with redis_server.client() as client:
+                assert client.exists(keys.gen), "the restarted server did not load the snapshot: the test needs it"
+        else:
+            with redis_server.client() as client:
+                client.flushall()
+        faulted = time.monotonic()
+        end = faulted + RESTART_LIMIT_S
+        before, fresh, detect_s = consumer.batches, 0, None
+        # Recovered: batches of writers that did not exist before the fault (the session was noticed and redone).
+        while fresh < RECOVERED_BATCHES:
+            assert time.monotonic() < end, f"{fresh} batches of new writers within {RESTART_LIMIT_S} s of the fault"
+            ids = consumer.next(timeout_s=max(end - time.monotonic(), 1.0))
+            fresh += any(i // 2**32 not in old_writers for i in ids)
+            if fresh == 1:
+                detect_s = time.monotonic() - faulted
+    finally:
+        if dump is not None:  # later restarts of this worker's server must come back empty again
+            dump.unlink(missing_ok=True)
+    consumer.assert_unique()
+    figures = chaos.assert_stats(loader)
+    chaos.finish("recovered", detect_s=detect_s, batches_before=before, **figures)
 
 
 @pytest.mark.parametrize(
