@@ -135,6 +135,9 @@ class MultiprocessShuffledDataloader:
     def _next_batch(self) -> Batch:
         sup = self._sup
         self._check_open()
+        # Free the ring slots of dropped batches first, even when a batch is ready: a reader that runs ahead must
+        # not find its ring full (and the caller get copies) just because nobody told it about the frees.
+        sup.flush_frees()
         waited_since = time.monotonic()
         next_warning = waited_since + _SLOW_WARNING_S
         while not sup.ready:

@@ -125,7 +125,7 @@ class Supervisor:
     def pump(self, timeout: float = _PUMP_S) -> None:
         """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message."""
         self.raise_if_failed()
-        self._flush_frees()
+        self.flush_frees()
         live = [c for c in self.children if c.alive]
         readable, _, _ = select.select([self.zygote.channel, *(c.channel for c in live)], [], [], timeout)
         for child in live:
@@ -294,7 +294,8 @@ class Supervisor:
 
         return release
 
-    def _flush_frees(self) -> None:
+    def flush_frees(self) -> None:
+        """Hand the ring slots of batches the caller dropped back to their readers."""
         while self.to_free:
             child, k = self.to_free.popleft()
             child.held -= 1
