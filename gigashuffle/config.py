@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, fields
 
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
+# '@' separates queue and node in every Redis key's hash tag (keys.py); a node id without it splits one way only.
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -128,8 +130,12 @@ class DataloaderConfig:
             raise _fail("local_rank", self.local_rank, f"use a value in [0, {self.local_world_size})")
         if not 0 <= self.global_rank < self.global_world_size:
             raise _fail("global_rank", self.global_rank, f"use a value in [0, {self.global_world_size})")
-        if self.node_id is not None and not _QUEUE_NAME_RE.match(self.node_id):
-            raise _fail("node_id", self.node_id, "use letters, digits and ._-/@+= only")
+        if self.node_id is not None and not _NODE_ID_RE.match(self.node_id):
+            raise _fail(
+                "node_id",
+                self.node_id,
+                "use 1-200 letters, digits and ._-/+= only ('@' separates the queue from the node in Redis keys)",
+            )
 
     def _check_modes(self) -> None:
         if not self.fill_once:

@@ -51,7 +51,7 @@ class ChildSpec:
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:
-    """The id under which a child's lease and attach socket are known in Redis."""
+    """The id under which a child is registered in Redis (its entry in the queue's ``procs`` hash)."""
     return f"{global_rank}.{role[0]}{index}.{pid}"
 
 

@@ -4,11 +4,11 @@ Three moments: ``fill`` (the writers stall on a gate with the buffer below the m
 have been read; the trainer waits in next()), ``run`` (after a random number of batches, while the trainer
 reads), and ``blocked`` (the trainer has drained the buffer below the threshold and sits in next(); every
 writer stalls on the gate). A killer thread finds the victim (the owner is the ``processes()`` entry with
-``owner: True``), kills it, waits until its lease is reclaimed (its entry leaves the queue's ``procs`` hash, in
-the same script that returns its slots), and then opens the gate.
+``owner: True``), kills it, waits until the trainer has reclaimed it (repaired its slots in the slot table and
+dropped its entry from the queue's ``procs`` hash), and then opens the gate.
 
 With ``max_restarts=3`` the loader must go on: the victim is respawned, no id is read twice (ids are unique per
-writer process), no row is torn, a respawned writer's rows arrive, and the slot sets still partition the buffer.
+writer process), no row is torn, a respawned writer's rows arrive, and the slot table accounts for every slot.
 With ``max_restarts=0`` next() must raise ``WorkerDied`` naming the role, the pid and SIGKILL within a few
 seconds.
 """

@@ -56,6 +56,8 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({"global_rank": 1}, ValueError, "global_rank", 1, "[0, 1)"),
     ({"global_rank": -1}, ValueError, "global_rank", -1, "[0, 1)"),
     ({"node_id": "a b"}, ValueError, "node_id", "a b", "letters, digits"),
+    # queue "a@b" on node "c" and queue "a" on node "b@c" would share every Redis key
+    ({"node_id": "b@c"}, ValueError, "node_id", "b@c", "separates the queue from the node"),
     # redis
     ({"redis_url": "http://localhost:6379"}, ValueError, "redis_url", "http://localhost:6379", "redis://host:port/db"),
     ({"redis_url": "localhost:6379"}, ValueError, "redis_url", "localhost:6379", "unix:///path/to.sock"),
