@@ -17,6 +17,7 @@ from . import embedded
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
+from .messages import LoadState, SetContext, StartPass, StateRequest
 from .meta import verified_layout
 from .procs import ChildProcess
 from .redisconn import Client, connect
@@ -106,16 +107,16 @@ class MultiprocessShuffledDataloader:
         sup = self._sup
         self._finish_open_pass()
         reader = self._wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
-        sup.replies.pop(("end", 0), None)
-        reader.channel.send(("pass", 0))
+        sup.passes_ended.discard(0)
+        reader.channel.send(StartPass(0))
         self._pass_open = True
         while True:
-            while not sup.ready and ("end", 0) not in sup.replies:
+            while not sup.ready and 0 not in sup.passes_ended:
                 sup.pump()
             if sup.ready:
                 yield self._deliver(*sup.ready.popleft())
             else:
-                sup.replies.pop(("end", 0))
+                sup.passes_ended.discard(0)
                 self._pass_open = False
                 return
 
@@ -126,8 +127,8 @@ class MultiprocessShuffledDataloader:
             while sup.ready:
                 child, k = sup.ready.popleft()
                 sup.send_free(child, k)
-            if ("end", 0) in sup.replies:
-                sup.replies.pop(("end", 0))
+            if 0 in sup.passes_ended:
+                sup.passes_ended.discard(0)
                 self._pass_open = False
             else:
                 sup.pump()
@@ -225,7 +226,7 @@ class MultiprocessShuffledDataloader:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
         self._check_open()
         self._sup.context = (True, context)
-        self._sup.send_to_writers(("context", context))
+        self._sup.send_to_writers(SetContext(context))
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state in every writer of this rank (``dataset.state_dict()``), for checkpoints."""
@@ -235,12 +236,11 @@ class MultiprocessShuffledDataloader:
         sup = self._sup
         writers = self._wait_for(lambda: w if len(w := sup.writers()) == self.config.num_writers else None, "")
         request = time.monotonic_ns()
-        for key in [k for k in sup.replies if k[0] == "state"]:
-            del sup.replies[key]
+        sup.states.clear()
         for child in writers:
-            child.channel.send(("state_dict", request))
+            child.channel.send(StateRequest(request))
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while any(("state", c.index) not in sup.replies for c in writers):
+        while any(sup.states.get(c.index) is None or sup.states[c.index].request != request for c in writers):
             if time.monotonic() > deadline:
                 raise GigashuffleError(f"writers did not report their dataset state within {_REPLY_TIMEOUT_S}s")
             sup.pump()
@@ -248,7 +248,7 @@ class MultiprocessShuffledDataloader:
             "global_rank": self.config.global_rank,
             "global_world_size": self.config.global_world_size,
             "num_writers": self.config.num_writers,
-            "writers": [sup.replies.pop(("state", c.index))[3] for c in sorted(writers, key=lambda c: c.index)],
+            "writers": [sup.states.pop(c.index).state for c in sorted(writers, key=lambda c: c.index)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,7 +267,7 @@ class MultiprocessShuffledDataloader:
                 )
         self._sup.dataset_states = list(state["writers"])
         for child in self._sup.writers():
-            child.channel.send(("load_state", state["writers"][child.index]))
+            child.channel.send(LoadState(state["writers"][child.index]))
 
     def child_pids(self) -> dict[str, list[int]]:
         """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``)."""

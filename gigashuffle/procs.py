@@ -68,7 +68,7 @@ class Zygote:
         ours.send(preparation)
 
     def spawn(self, payload: bytes, title: str) -> tuple[int, Channel]:
-        """Ask for a child running ``workers.child_main(payload)``; returns a request number and its channel.
+        """Ask for a child running ``child.child_main(payload)``; returns a request number and its channel.
 
         The child's pid arrives later as ``("spawned", seq, pid)`` from ``events()``.
         """

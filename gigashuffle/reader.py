@@ -1,8 +1,8 @@
 """The reader loop: gather random full slots into the ring, tell the trainer which ring slot is ready.
 
 NOTE [ Reader cycle ]
-The trainer maps the reader's ring (its fd crosses once, at start); per batch only ``("batch", k)`` and later
-``("free", k)`` cross the channel, and nothing goes to Redis. Per batch: ``draw_full`` takes ``bs`` uniformly
+The trainer maps the reader's ring (its fd crosses once, at start); per batch only ``BatchReady(k)`` and later
+``FreeSlot(k)`` cross the channel, and nothing goes to Redis. Per batch: ``draw_full`` takes ``bs`` uniformly
 random full slots (``reading`` under this pid, once at least ``min_full_slots`` are full), the rows, their slot
 ids and versions are gathered into a free ring slot without any lock held, ``release_read`` returns the slots (to
 empty, or to full when evict_on_read=False), and only then is the batch announced. A reader killed before the
@@ -26,6 +26,7 @@ import torch
 
 from .buffer import BatchRing, SlotBuffer
 from .channel import Channel
+from .messages import BatchReady, FreeSlot, PassEnd, RingReady, StartPass, ToChild
 from .slottable import SlotIds, SlotTable, Versions
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
@@ -42,7 +43,7 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
     fd = ring.memory.fd
     if fd is None:
         raise AssertionError("a new ring has no fd")
-    env.channel.send(("ring", ring.nbytes, layout.to_json()), (fd,))
+    env.channel.send(RingReady(ring.nbytes, layout.to_json()), (fd,))
     ring.memory.close_fd()
     return env.buffer, env.table, ring
 
@@ -55,14 +56,14 @@ def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, version
     ring.versions(k)[:] = versions
 
 
-def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[tuple[object, ...]]:
-    """Collect ``free`` messages (waiting up to ``block_s`` for the first); return any other messages."""
-    others = []
+def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
+    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first); return any other messages."""
+    others: list[ToChild] = []
     timeout = block_s
     while env.channel.poll(timeout):
         message, _ = env.channel.recv()
-        if message[0] == "free":
-            free.append(message[1])
+        if isinstance(message, FreeSlot):
+            free.append(message.k)
         else:
             others.append(message)
         timeout = 0
@@ -99,7 +100,7 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
         if table.release_read(me, slots, cfg.evict_on_read) != len(slots):
             raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
         chores.read += len(slots)
-        env.channel.send(("batch", k))
+        env.channel.send(BatchReady(k))
 
 
 def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
@@ -116,7 +117,7 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
     free: deque[int] = deque(range(ring.depth))
     while True:
         for message in _take_frees(env, free, _IDLE_POLL_S):
-            if message[0] != "pass":
+            if not isinstance(message, StartPass):
                 continue
             for b in range(batches):
                 while not free:
@@ -124,5 +125,5 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
                 k = free.popleft()
                 ids = order[b * cfg.bs : (b + 1) * cfg.bs]
                 _gather(buffer, ring, k, ids, table.version[ids])
-                env.channel.send(("batch", k))
-            env.channel.send(("end", message[1]))
+                env.channel.send(BatchReady(k))
+            env.channel.send(PassEnd(message.number))

@@ -4,7 +4,7 @@ NOTE [ Supervision ]
 The trainer never blocks on one thing: every wait is a ``select`` over the zygote's channel and every child's
 channel with a timeout of at most ``_PUMP_S``, so a child's death (reported by the zygote with its exit status)
 or a lost Redis session is seen within about a second even while the trainer waits for a batch. A child that
-raised sends ``("error", type, traceback)`` before exiting; the trainer raises that text in a ``WorkerDied``.
+raised sends a ``ChildError`` (type and traceback) before exiting; the trainer raises that text in a ``WorkerDied``.
 A dead child's slots are repaired in the slot table at once (when the trainer has mapped it; else the other
 children's once-a-second repair finds the dead pid), and with ``max_restarts`` left it is spawned again.
 When the session itself is lost (Redis restarted without persistence, or was flushed: the heartbeat or a child
@@ -31,6 +31,7 @@ from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
+from .messages import BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, RingReady, ToChild
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
@@ -68,7 +69,8 @@ class Supervisor:
         self.children: list[ChildProcess] = []
         self.ready: deque[tuple[ChildProcess, int]] = deque()
         self.to_free: deque[tuple[ChildProcess, int]] = deque()  # appended by batch finalizers
-        self.replies: dict[tuple[str, int], Any] = {}
+        self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
+        self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
         self.closed = False
         self.context: tuple[bool, Any] = (False, None)
@@ -149,20 +151,22 @@ class Supervisor:
         except (ChannelClosed, ConnectionError):
             return  # the zygote reports the exit status; the error text, if any, was read above
 
-    def _on_message(self, child: ChildProcess, message: tuple[Any, ...], fds: list[int]) -> None:
-        kind = message[0]
-        if kind == "batch":
-            self.ready.append((child, message[1]))
-        elif kind == "ring":
-            memory = SharedMemory(message[1], fds[0])
+    def _on_message(self, child: ChildProcess, message: object, fds: list[int]) -> None:
+        if isinstance(message, BatchReady):
+            self.ready.append((child, message.k))
+        elif isinstance(message, RingReady):
+            memory = SharedMemory(message.nbytes, fds[0])
             memory.close_fd()
-            child.ring = BatchRing(Layout.from_json(message[2]), self.config.bs, self.config.ring_depth, memory)
-        elif kind == "error":
-            child.error_type, child.traceback_text = message[1], message[2]
-        elif kind in ("state", "end"):
-            self.replies[(kind, message[2] if kind == "state" else 0)] = message
+            layout = Layout.from_json(message.layout_json)
+            child.ring = BatchRing(layout, self.config.bs, self.config.ring_depth, memory)
+        elif isinstance(message, ChildError):
+            child.error_type, child.traceback_text = message.type_name, message.traceback
+        elif isinstance(message, DatasetState):
+            self.states[message.index] = message
+        elif isinstance(message, PassEnd):
+            self.passes_ended.add(message.number)
         else:
-            log.warning("unexpected message %r from %s %d", kind, child.role, child.index)
+            log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
     def _on_zygote_event(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -305,7 +309,7 @@ class Supervisor:
         if not child.alive:
             return
         try:
-            child.channel.send(("free", k))
+            child.channel.send(FreeSlot(k))
         except OSError:
             log.debug("%s %d is gone; its ring slot %d is not returned", child.role, child.index, k)
 
@@ -315,12 +319,12 @@ class Supervisor:
     def readers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
-    def send_to_writers(self, message: tuple[Any, ...]) -> None:
+    def send_to_writers(self, message: ToChild) -> None:
         for child in self.writers():
             try:
                 child.channel.send(message)
             except OSError as exc:
-                log.debug("writer %d did not take %r: %s", child.index, message[0], exc)
+                log.debug("writer %d did not take %s: %s", child.index, type(message).__name__, exc)
 
     # -- teardown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,18 +1,15 @@
 """What every loader child shares: its spec, its Redis handle, and how it gets the node buffer and slot table.
 
-``child_main`` is the entry point the zygote runs in each forked child; it hands over to ``writer.run`` or
-``reader.run`` and, if they raise, sends the formatted traceback to the trainer before exiting, so the trainer
-can raise it as the child's own error (as torch's ``ExceptionWrapper`` does for DataLoader workers).
+The loops themselves (``writer.py``, ``reader.py``) import this module, never the other way round; the entry
+point that picks one is ``child.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +119,7 @@ class ChildEnv:
         self._serve(register=False)
         if self.store.seed(signed_meta(self.secret, self.spec.generation, fields)):
             self.register()
-            _retitle(" owner")
+            retitle(" owner")
             return True
         if self.server is not None:
             self.server.close()
@@ -212,36 +209,10 @@ class Housekeeping:
         self.written = self.read = 0
 
 
-def _retitle(suffix: str = "", title: str | None = None) -> None:
+def retitle(suffix: str = "", title: str | None = None) -> None:
     try:
         import setproctitle
     except ImportError:
         log.debug("setproctitle is not installed")
         return
     setproctitle.setproctitle((title or setproctitle.getproctitle()) + suffix)
-
-
-def child_main(payload: bytes, title: str, control_fd: int) -> int:
-    """Run one child; returns its exit code. Errors go to the trainer as text before the child exits."""
-    channel = Channel(socket.socket(fileno=control_fd))
-    _retitle(title=title)
-    try:
-        spec: ChildSpec = pickle.loads(payload)
-        import torch
-
-        torch.set_num_threads(1)  # many children per node: one intra-op thread each avoids oversubscription
-        if spec.role == "writer":
-            from . import writer
-
-            writer.run(spec, channel)
-        else:
-            from . import reader
-
-            reader.run(spec, channel)
-    except BaseException as exc:
-        try:
-            channel.send(("error", type(exc).__name__, traceback.format_exc()))
-        except OSError:
-            log.debug("trainer is gone; error not reported")
-        return 1
-    return 0

@@ -23,6 +23,7 @@ from torch.utils.data._utils import worker as torch_worker
 
 from .channel import Channel
 from .errors import SchemaError
+from .messages import DatasetState, LoadState, SetContext, StateRequest
 from .schema import Layout
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
@@ -86,14 +87,15 @@ def _handle_control(env: ChildEnv, chunks: _Chunks) -> None:
     dataset = env.spec.dataset
     while env.channel.poll(0):
         message, _ = env.channel.recv()
-        kind = message[0]
-        if kind == "context":
-            dataset.context = message[1]
-        elif kind == "load_state":
-            dataset.load_state_dict(message[1])
+        if isinstance(message, SetContext):
+            dataset.context = message.context
+        elif isinstance(message, LoadState):
+            dataset.load_state_dict(message.state)
             chunks.restart()
-        elif kind == "state_dict":
-            env.channel.send(("state", message[1], env.spec.index, dataset.state_dict()))
+        elif isinstance(message, StateRequest):
+            env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
+        else:
+            log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:

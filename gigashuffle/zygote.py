@@ -62,9 +62,9 @@ def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -
     try:
         set_parent_death_signal(zygote_pid)
         trainer.close()  # the trainer must see EOF on the zygote's channel when the zygote dies
-        from . import workers
+        from . import child
 
-        code = workers.child_main(payload, title, control_fd)
+        code = child.child_main(payload, title, control_fd)
     finally:
         os._exit(code)
 
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     multiprocessing.spawn.prepare(preparation)
     import torch  # noqa: F401
 
-    from . import workers  # noqa: F401
+    from . import child  # noqa: F401  (and with it the loops, the slot table and the control plane)
 
     try:
         trainer.send(("ready", os.getpid()))

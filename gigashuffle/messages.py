@@ -1,0 +1,83 @@
+"""The messages a trainer and its children exchange over their private channel, one type each.
+
+The channel is a socketpair that only the trainer's process tree holds, so these travel pickled (see
+``channel.py``); nothing read from Redis ever becomes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# -- child to trainer -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RingReady:
+    """A reader's ring: its memfd travels with this message, once."""
+
+    nbytes: int
+    layout_json: str
+
+
+@dataclass(frozen=True)
+class BatchReady:
+    """Ring slot ``k`` holds a gathered batch; the trainer answers ``FreeSlot(k)`` once the caller drops it."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class PassEnd:
+    """A fill_once reader sent every batch of pass ``number``."""
+
+    number: int
+
+
+@dataclass(frozen=True)
+class DatasetState:
+    """A writer's ``dataset.state_dict()``, answering ``StateRequest(request)``."""
+
+    request: int
+    index: int
+    state: Any
+
+
+@dataclass(frozen=True)
+class ChildError:
+    """A child raised: the exception's type name and formatted traceback, sent before it exits."""
+
+    type_name: str
+    traceback: str
+
+
+# -- trainer to child -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    k: int
+
+
+@dataclass(frozen=True)
+class StartPass:
+    number: int
+
+
+@dataclass(frozen=True)
+class SetContext:
+    context: Any
+
+
+@dataclass(frozen=True)
+class LoadState:
+    state: Any
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    request: int
+
+
+ToTrainer = RingReady | BatchReady | PassEnd | DatasetState | ChildError
+ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest
