@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from .buffer import BatchRing, SharedMemory
 from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .errors import GigashuffleError, QueueStateLostError, WorkerDied
+from .pickling import dumps_by_value
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
@@ -103,12 +103,12 @@ class Supervisor:
             dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
         )
         try:
-            return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+            return dumps_by_value(spec)
         except Exception as exc:
             raise TypeError(
                 f"the dataset {type(self.dataset).__name__} (or the training context) cannot be pickled for "
-                f"the writer processes: {exc}; define it at module level and keep open files/sockets out of it "
-                "until __iter__"
+                f"the writer processes: {exc}; keep open files, sockets, locks and threads out of it until "
+                "__iter__ (open them there)"
             ) from exc
 
     def _spawn(self, role: str, index: int, restarts: int) -> ChildProcess:
@@ -288,9 +288,10 @@ class Supervisor:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
     def send_to_writers(self, message: tuple[Any, ...]) -> None:
+        payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
         for child in self.writers():
             try:
-                child.channel.send(message)
+                child.channel.send_bytes(payload)
             except OSError as exc:
                 log.debug("writer %d did not take %r: %s", child.index, message[0], exc)
 

@@ -11,6 +11,7 @@ Ids are globally unique: ``id = base + worker_id * ID_STRIDE + counter`` where `
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -323,11 +324,11 @@ class UsesIndexKey(IterableDataset):  # type: ignore[type-arg]
 
 
 class Unpicklable(UniqueIds):
-    """Holds a lambda, so it cannot be pickled to the writers."""
+    """Holds a lock, which no pickler (cloudpickle included) can send to the writers."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hook = lambda: None
+        self.lock = threading.Lock()
 
 
 # -- helpers for the tests (not pickled) -----------------------------------------------------------------------
