@@ -278,6 +278,11 @@ class MultiprocessShuffledDataloader:
                 raise GigashuffleError(f"loader processes did not start within {timeout_s}s")
             self._sup.pump()
 
+    @property
+    def seed(self) -> int:
+        """The job's base seed: writer ``get_worker_info().id == i`` starts from ``seed + i`` (NOTE [ Seeds ])."""
+        return self._sup.seed
+
     def redis_client(self) -> Client:
         return self._sup.client
 

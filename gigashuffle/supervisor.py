@@ -33,6 +33,7 @@ from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
+from .seeds import base_seed
 from .session import NodeSession
 from .slots import SlotStore
 from .workers import ChildSpec, proc_name
@@ -71,6 +72,12 @@ class Supervisor:
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
         self.session_restarts = 0
+        self.seed, origin = base_seed(config, session.generation, os.environ)
+        log.info(
+            "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
+            config.queue_name, config.global_rank, self.seed, origin, self.seed,
+        )  # fmt: skip
+        self._starts: dict[tuple[str, int], int] = {}
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
         try:
@@ -90,6 +97,8 @@ class Supervisor:
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: str, index: int) -> bytes:
         has_context, context = self.context
+        start = self._starts.get((role, index), 0)
+        self._starts[(role, index)] = start + 1
         spec = ChildSpec(
             role=role,
             index=index,
@@ -101,6 +110,8 @@ class Supervisor:
             context=context,
             has_context=has_context,
             dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
+            seed=self.seed,
+            start=start,
         )
         try:
             return dumps_by_value(spec)

@@ -21,6 +21,7 @@ from torch.utils.data._utils import worker as torch_worker
 from .channel import Channel
 from .errors import SchemaError
 from .schema import Layout
+from .seeds import writer_seed
 from .slots import SlotIds
 from .workers import Backoff, ChildEnv, ChildSpec
 
@@ -69,15 +70,17 @@ def _is_empty(chunk: Any) -> bool:
 
 
 def _set_worker_info(spec: ChildSpec) -> int:
-    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job."""
+    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job, and seed
+    ``random``, numpy and torch with its seed (NOTE [ Seeds ] in seeds.py)."""
     cfg = spec.config
     worker_id = cfg.global_rank * cfg.num_writers + spec.index
-    seed = worker_id
+    num_workers = cfg.global_world_size * cfg.num_writers
+    seed = writer_seed(spec.seed, worker_id, num_workers, spec.start)
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits, as torch's docs suggest for workers
     torch.manual_seed(seed)
     torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=worker_id, num_workers=cfg.global_world_size * cfg.num_writers, seed=seed, dataset=spec.dataset
+        id=worker_id, num_workers=num_workers, seed=seed, dataset=spec.dataset
     )
     return worker_id
 

@@ -11,6 +11,7 @@ Ids are globally unique: ``id = base + worker_id * ID_STRIDE + counter`` where `
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -130,6 +131,28 @@ class WorkerInfoEcho(IterableDataset):  # type: ignore[type-arg]
                     "is_self": torch.full((4,), is_self, dtype=torch.bool),
                 }
             ]
+
+
+class SeedEcho(IterableDataset):  # type: ignore[type-arg]
+    """Rows carry the writer's seeds and a draw from each RNG made when ``__iter__`` starts: deterministic per seed.
+
+    ``wid``, ``seed`` (``get_worker_info().seed``), ``initial`` (``torch.initial_seed()``), ``py``/``np``/``pt``
+    (``random``, numpy and torch draws); ids are unique per writer as in ``UniqueIds``.
+    """
+
+    def __iter__(self) -> Iterator[Chunk]:
+        info = get_worker_info()
+        if info is None:
+            raise RuntimeError("get_worker_info() is None in a gigashuffle writer")
+        draws = {
+            "py": random.getrandbits(62),
+            "np": int(np.random.randint(0, 2**62, dtype=np.int64)),
+            "pt": int(torch.randint(0, 2**62, ())),
+        }
+        fixed = {"wid": info.id, "seed": info.seed, "initial": torch.initial_seed(), **draws}
+        for n in itertools.count(0, 4):
+            row = {key: torch.full((4,), value, dtype=torch.int64) for key, value in fixed.items()}
+            yield [{"id": torch.arange(n, n + 4, dtype=torch.int64) + info.id * ID_STRIDE, **row}]
 
 
 # -- checkpointing ---------------------------------------------------------------------------------------------
