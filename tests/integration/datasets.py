@@ -155,6 +155,40 @@ class SeedEcho(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": torch.arange(n, n + 4, dtype=torch.int64) + info.id * ID_STRIDE, **row}]
 
 
+class FewShards(IterableDataset):  # type: ignore[type-arg]
+    """A source with ``shards`` shards split by worker, as Hugging Face and webdataset split theirs: writers with
+    ``id >= shards`` get nothing, every pass. Each ``__iter__`` appends its worker id to ``passes_file``."""
+
+    def __init__(self, shards: int, passes_file: str) -> None:
+        self.shards = shards
+        self.passes_file = passes_file
+        self.resumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"resumed": self.resumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resumed = int(state["resumed"])
+
+    def __iter__(self) -> Iterator[Chunk]:
+        wid, _ = _worker()
+        with open(self.passes_file, "a") as f:
+            f.write(f"{wid}\n")
+        if wid >= self.shards:
+            return
+        yield from UniqueIds(chunk=4).__iter__()
+
+
+def passes_by_worker(passes_file: str) -> dict[int, int]:
+    """How often each worker id started a pass of ``FewShards``."""
+    try:
+        with open(passes_file) as f:
+            ids = [int(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return {}
+    return {wid: ids.count(wid) for wid in set(ids)}
+
+
 # -- checkpointing ---------------------------------------------------------------------------------------------
 
 
