@@ -2,7 +2,8 @@
 piped to the interpreter (what a REPL or a notebook cell gives: the class lives in ``__main__``), in a script's
 ``__main__`` behind the usual guard, and in a script without any ``if __name__ == "__main__":`` guard.
 
-Each program prints ``BODY`` once per run of its top level and a JSON line with the rows of the batches it read.
+Each program prints ``BODY`` once per run of its top level and a JSON line with the rows of the batches it read
+and whether a training context (an instance of a class from ``__main__``) reached the writers.
 The zygote must never run the main module again, so ``BODY`` appears exactly once (a second run would also build
 a second loader on the same queue and fail with ``QueueInUseError``).
 """
@@ -36,12 +37,17 @@ OFFSET = 1000
 def rows_from(n):
     return torch.arange(n, n + 8, dtype=torch.int64) + OFFSET
 
+class Step:
+    def __init__(self, k):
+        self.k = k
+
 class Rows(IterableDataset):
     def __iter__(self):
         base = get_worker_info().id * 10**6
         for n in itertools.count(0, 8):
             ids = rows_from(base + n)
-            yield [{{"id": ids, "twice": ids * 2}}]
+            step = getattr(self, "context", None)
+            yield [{{"id": ids, "twice": ids * 2, "step": torch.full((8,), step.k if step else -1)}}]
 
 print("BODY", flush=True)
 {main}
@@ -53,7 +59,10 @@ cfg = DataloaderConfig(bs=4, shuffle_size=32, queue_name={queue!r}, num_writers=
 with MultiprocessShuffledDataloader(Rows(), cfg) as loader:
     it = iter(loader)
     batches = [next(it)[0] for _ in range(10)]
-    print(json.dumps({{"id": [b["id"].tolist() for b in batches], "twice": [b["twice"].tolist() for b in batches]}}))
+    loader.attach_training_context(Step(7))  # an instance of a class from __main__ reaches the writers too
+    context_seen = any(7 in next(it)[0]["step"].tolist() for _ in range(2000))
+    print(json.dumps({{"id": [b["id"].tolist() for b in batches], "twice": [b["twice"].tolist() for b in batches],
+                      "context_seen": context_seen}}))
 """
 
 
@@ -89,6 +98,7 @@ def _check(proc: subprocess.CompletedProcess[str]) -> None:
     assert len(ids) == 40 and len(set(ids)) == 40, f"rows read twice or missing:\n{detail}"
     assert all(i >= 1000 for i in ids), f"the module-level OFFSET did not reach the writers:\n{detail}"
     assert [[2 * i for i in batch] for batch in result["id"]] == result["twice"], f"torn rows:\n{detail}"
+    assert result["context_seen"], f"a training context of a class from __main__ never reached the writers:\n{detail}"
 
 
 @pytest.mark.usefixtures("runtime_dir")
