@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--chunk-rows", type=int, default=16)
     parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--distinct", type=int, default=0, help="stop early once this rank has read this many ids")
     parser.add_argument("--bs", type=int, default=8)
     parser.add_argument("--shuffle-size", type=int, default=256)
     parser.add_argument("--num-writers", type=int, default=2)
@@ -90,6 +91,8 @@ def main() -> None:
             if not (group["x"][:, 0] == group["id"].to(group["x"].dtype)).all():
                 raise SystemExit(f"torn rows: {group}")
             ids.update(group["id"].tolist())
+            if 0 < args.distinct <= len(ids):
+                break
         writers = len(loader.child_pids()["writer"])
         print(json.dumps({"rank": config.global_rank, "ids": sorted(ids), "writers": writers, "seed": loader.seed}))
 

@@ -39,11 +39,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run_ranks(script: Path, args: list[str], cwd: Path, world: int = 2) -> list[dict[str, Any]]:
-    """Run ``script`` as ranks 0..world-1, one per node; the JSON line each printed, failing with their output."""
+def _run_ranks(script: Path, args: list[str], cwd: Path, rank_args: list[list[str]]) -> list[dict[str, Any]]:
+    """Run ``script`` as ranks 0, 1, ... (one per node, ``rank_args[r]`` added to ``args``); the JSON line each
+    printed, failing with their output."""
+    world = len(rank_args)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [sys.executable, str(script), *args, *rank_args[r]],
             cwd=cwd,
             env=_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
             stdout=subprocess.PIPE,
@@ -75,9 +77,14 @@ def _run_ranks(script: Path, args: list[str], cwd: Path, world: int = 2) -> list
 def _recipe_args(redis_url: str) -> list[str]:
     # 4 writers in the job (2 per rank) and 3 shards of 20 rows: writers 0, 1, 2 read shards 0, 1, 2, writer 3
     # (rank 1's second) has none and must idle.
-    return ["--rows", "60", "--shards", "3", "--num-writers", "2", "--batches", "60", "--bs", "4",
+    return ["--rows", "60", "--shards", "3", "--num-writers", "2", "--batches", "20000", "--bs", "4",
             "--shuffle-size", "32", "--chunk-rows", "4", "--redis-url", redis_url,
             "--queue", f"recipe-{uuid.uuid4().hex[:8]}"]  # fmt: skip
+
+
+# Each rank reads until it has seen every id of its share (a fixed batch count would race with a writer that
+# starts late); with a source split twice it never would, and stops at --batches with a fraction instead.
+RANK_ARGS = [["--distinct", "40"], ["--distinct", "20"]]
 
 
 def _check_job_wide_split(results: list[dict[str, Any]]) -> None:
@@ -90,7 +97,7 @@ def _check_job_wide_split(results: list[dict[str, Any]]) -> None:
 
 @pytest.mark.usefixtures("runtime_dir")
 def test_hugging_face_recipe_splits_the_shards_over_every_writer_of_the_job(redis_url: str, tmp_path: Path) -> None:
-    results = _run_ranks(EXAMPLES / "hf_datasets.py", _recipe_args(redis_url), tmp_path)
+    results = _run_ranks(EXAMPLES / "hf_datasets.py", _recipe_args(redis_url), tmp_path, RANK_ARGS)
     _check_job_wide_split(results)
 
 
@@ -104,7 +111,9 @@ def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(redis_
     assert made.returncode == 0, made.stderr
     urls = made.stdout.strip()
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{i:06d}.tar" for i in range(3)]
-    results = _run_ranks(EXAMPLES / "webdataset_shards.py", ["--urls", urls, *_recipe_args(redis_url)], tmp_path)
+    results = _run_ranks(
+        EXAMPLES / "webdataset_shards.py", ["--urls", urls, *_recipe_args(redis_url)], tmp_path, RANK_ARGS
+    )
     _check_job_wide_split(results)
 
 
