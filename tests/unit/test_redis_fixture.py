@@ -218,10 +218,8 @@ def test_leak_accounting_sees_memfd_mappings_zombies_and_orphans(runtime_dir: Pa
     leaks.assert_no_leaks(before, deadline_s=5.0, runtime_dir=runtime_dir)
 
     # A grandchild whose parent exited first: the test process (a subreaper) adopts it, so it still counts.
-    spawner = subprocess.run(
-        [sys.executable, "-c", "import subprocess as s; print(s.Popen(['sleep', '60'], stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+    spawn = "import subprocess as s; print(s.Popen(['sleep', '60'], stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+    spawner = subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, timeout=60, check=True)
     orphan = int(spawner.stdout)
     try:
         assert psutil.Process(orphan).ppid() == os.getpid(), "the orphan was not adopted by the test process"
