@@ -38,6 +38,7 @@ import redis
 from chaos_datasets import check_batch, writer_of
 from redis_servers import wait_until
 from slot_audit import audit_slots
+from timing import startup_deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.keys import QueueKeys
@@ -49,7 +50,8 @@ DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"
 SHM_PATTERN = "*gigashuffle*"
 LEAK_FIELDS = ("shm", "semaphores", "fds", "children", "sockets", "redis_keys", "mappings")
 TRAINER_SCRIPT = Path(__file__).with_name("trainer_script.py")
-NEXT_TIMEOUT_S = 60.0  # one next() call, zygote start-up (an interpreter plus import torch) included
+# One next() call, zygote start-up (an interpreter plus import torch) and the children's attach included.
+NEXT_TIMEOUT_S = startup_deadline(60.0, startups=30)
 
 
 RUN_ENV = "GIGASHUFFLE_CHAOS_RUN"

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from timing import startup_deadline
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import INDEX_KEY
@@ -410,7 +411,7 @@ class Unpicklable(UniqueIds):
 
 # -- helpers for the tests (not pickled) -----------------------------------------------------------------------
 
-DEADLINE_S = 120.0
+DEADLINE_S = startup_deadline(120.0, startups=60)  # a loader's start-up included
 """Generous per-wait deadline: the suite shares two cores with other jobs; nothing here asserts on speed."""
 
 
