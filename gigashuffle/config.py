@@ -14,6 +14,8 @@ _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 # '@' separates queue and node in every Redis key's hash tag (keys.py); a node id without it splits one way only.
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+SEED_LIMIT = 2**63
+"""Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
 
 def _fail(field: str, value: object, fix: str) -> ValueError:
@@ -26,6 +28,8 @@ class DataloaderConfig:
 
     ``bs`` is the output batch size per rank; ``shuffle_size`` the number of rows (slots) in the node-wide
     buffer; ``queue_name`` names the buffer and must be unique among the loaders that share a Redis server.
+    ``num_readers=0`` makes a rank that only feeds its node's buffer (it yields no batches). ``seed`` is the
+    base of every writer's seed (``seed + worker id``, as torch's DataLoader does); None draws one per job.
     """
 
     bs: int
@@ -49,6 +53,7 @@ class DataloaderConfig:
     ring_depth: int = 4
     node_id: str | None = None
     redis_timeout_s: float = 30.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -107,9 +112,13 @@ class DataloaderConfig:
             )
         if not 0.0 <= self.min_mixing <= 1.0 or math.isnan(self.min_mixing):
             raise _fail("min_mixing", self.min_mixing, "it is a fraction of shuffle_size: use a value in [0, 1]")
-        for name in ("num_writers", "num_readers", "writer_max_retries", "ring_depth"):
+        for name in ("num_writers", "writer_max_retries", "ring_depth"):
             if getattr(self, name) < 1:
                 raise _fail(name, getattr(self, name), "use 1 or more")
+        if self.num_readers < 0:
+            raise _fail("num_readers", self.num_readers, "use 1 or more, or 0 for a rank that only feeds the buffer")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise _fail("seed", self.seed, "use an int in [0, 2**63), or None for a random seed per job")
         if self.ring_depth < 2:
             raise _fail("ring_depth", self.ring_depth, "readers need at least 2 batches in flight; use >= 2")
         if self.max_restarts < 0:
@@ -159,7 +168,7 @@ class DataloaderConfig:
             return
         # Every other reader of the node may hold one batch of slots while this one waits for the mixing
         # threshold; the threshold must still be reachable then, or the node deadlocks.
-        held_by_others = (self.readers_per_node - 1) * self.bs
+        held_by_others = max(self.readers_per_node - 1, 0) * self.bs
         if self.min_full_slots + held_by_others > self.shuffle_size:
             # Rounded down to the 3 decimals shown, so that the value suggested is itself accepted.
             most = (self.shuffle_size - held_by_others) * 1000 // self.shuffle_size / 1000

@@ -27,9 +27,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .control import text
 from .errors import GigashuffleError
 from .runtime import pid_alive, remove_socket, runtime_dir
-from .slots import text
 
 log = logging.getLogger(__name__)
 

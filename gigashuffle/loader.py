@@ -95,6 +95,13 @@ class MultiprocessShuffledDataloader:
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
+        if self.config.num_readers == 0:
+            raise GigashuffleError(
+                f"queue {self.config.queue_name!r} rank {self.config.global_rank}: this loader has "
+                "DataloaderConfig.num_readers=0, so it only feeds the node's buffer and yields no batches; iterate "
+                "a loader with num_readers >= 1 (on this rank or another of the node). get_dummy_batch(), stats() "
+                "and state_dict() work here."
+            )
         if self.config.fill_once:
             return self._one_pass()
         return self._stream()
@@ -289,6 +296,11 @@ class MultiprocessShuffledDataloader:
             if time.monotonic() > deadline:
                 raise GigashuffleError(f"loader processes did not start within {timeout_s}s")
             self._sup.pump()
+
+    @property
+    def seed(self) -> int:
+        """The job's base seed: writer ``get_worker_info().id == i`` starts from ``seed + i`` (NOTE [ Seeds ])."""
+        return self._sup.seed
 
     def redis_client(self) -> Client:
         return self._sup.client

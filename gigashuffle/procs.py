@@ -64,6 +64,11 @@ class Zygote:
         self._next_seq = 0
         preparation = multiprocessing.spawn.get_preparation_data("gigashuffle-zygote")
         preparation.pop("authkey", None)  # multiprocessing's key is not needed and should not travel
+        # The zygote takes the trainer's sys.path and working directory but never runs its main module: a script
+        # without a main guard would build a second loader there. What __main__ defines travels by value instead
+        # (NOTE [ Pickling the dataset ] in pickling.py).
+        preparation.pop("init_main_from_path", None)
+        preparation.pop("init_main_from_name", None)
         preparation["gigashuffle_title"] = title
         ours.send(preparation)
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 LEASE_MS = 10_000
 HEARTBEAT_S = 1.0
-_SHARED_FIELDS = ("bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size")
+_SHARED_FIELDS = ("bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed")
 
 
 def shared_conf(config: DataloaderConfig) -> str:

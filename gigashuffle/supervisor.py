@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
 from collections import deque
 from collections.abc import Callable
@@ -32,10 +31,12 @@ from .config import DataloaderConfig
 from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
 from .messages import BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, RingReady, ToChild
+from .pickling import dumps_by_value
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
 from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
+from .seeds import base_seed
 from .session import NodeSession
 from .slottable import SlotTable, table_nbytes
 from .workers import ChildSpec, fetch_node_fds, proc_name
@@ -77,6 +78,12 @@ class Supervisor:
         self.dataset_states: list[Any] | None = None
         self.session_restarts = 0
         self._table: SlotTable | None = None
+        self.seed, origin = base_seed(config, session.generation, os.environ)
+        log.info(
+            "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
+            config.queue_name, config.global_rank, self.seed, origin, self.seed,
+        )  # fmt: skip
+        self._starts: dict[tuple[str, int], int] = {}
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
         try:
@@ -96,6 +103,8 @@ class Supervisor:
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: str, index: int) -> bytes:
         has_context, context = self.context
+        start = self._starts.get((role, index), 0)
+        self._starts[(role, index)] = start + 1
         spec = ChildSpec(
             role=role,
             index=index,
@@ -107,14 +116,16 @@ class Supervisor:
             context=context,
             has_context=has_context,
             dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
+            seed=self.seed,
+            start=start,
         )
         try:
-            return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+            return dumps_by_value(spec)
         except Exception as exc:
             raise TypeError(
                 f"the dataset {type(self.dataset).__name__} (or the training context) cannot be pickled for "
-                f"the writer processes: {exc}; define it at module level and keep open files/sockets out of it "
-                "until __iter__"
+                f"the writer processes: {exc}; keep open files, sockets, locks and threads out of it until "
+                "__iter__ (open them there)"
             ) from exc
 
     def _spawn(self, role: str, index: int, restarts: int) -> ChildProcess:
@@ -320,9 +331,10 @@ class Supervisor:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
     def send_to_writers(self, message: ToChild) -> None:
+        payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
         for child in self.writers():
             try:
-                child.channel.send(message)
+                child.channel.send_bytes(payload)
             except OSError as exc:
                 log.debug("writer %d did not take %s: %s", child.index, type(message).__name__, exc)
 

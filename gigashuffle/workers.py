@@ -45,6 +45,8 @@ class ChildSpec:
     dataset_state: Any = None
     has_context: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0  # the job's base seed (NOTE [ Seeds ] in seeds.py)
+    start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

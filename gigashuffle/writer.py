@@ -7,6 +7,14 @@ Per piece of a chunk: ``acquire_empty`` takes up to that many empty slots in the
 has none left, never keeps rows it wrote invisible. Two lock round trips per piece, no Redis. When nothing is
 empty the writer backs off from 0.5 ms and meanwhile answers the trainer's messages. A writer killed mid-copy
 leaves ``writing`` slots under its pid, which ``repair()`` returns to empty (their rows may be torn).
+
+NOTE [ Empty shares ]
+Writers see a job-wide ``get_worker_info()``, so a source that shards by worker (Hugging Face ``datasets``,
+webdataset's ``split_by_worker``) gives a writer nothing when it has fewer shards than the job has writers: every
+pass ends at once. After ``writer_max_retries`` such passes in a row the writer idles on its channel (no busy
+loop, still answering ``state_dict``), and tries its dataset again after ``load_state_dict`` or a new training
+context; it is not a failure. Only if no writer of the node publishes the buffer within a grace period is the
+node's data empty, which is an error. Chunks with zero rows still count towards ``writer_max_retries`` and fail.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,39 +34,85 @@ from .channel import Channel
 from .errors import SchemaError
 from .messages import DatasetState, LoadState, SetContext, StateRequest
 from .schema import Layout
+from .seeds import writer_seed
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
 log = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 1.0
+# How long a writer with an empty share waits for another writer of its node to publish the buffer before it
+# calls the whole node's data empty: generous, since a peer's first chunk may need a slow download.
+_EMPTY_SHARE_GRACE_S = 300.0
+
 
 class _Chunks:
-    """The dataset's chunks, forever: an ended iterator starts the next pass; too many empty ones is an error."""
+    """The dataset's chunks, forever: an ended iterator starts the next pass; too many empty chunks is an error.
 
-    def __init__(self, spec: ChildSpec) -> None:
+    A writer whose share of the dataset is empty (a sharded source with fewer shards than the job has writers:
+    every pass ends without a single chunk) idles instead, once another writer has published the node's buffer:
+    see NOTE [ Empty shares ].
+    """
+
+    def __init__(self, spec: ChildSpec, env: ChildEnv) -> None:
         self.dataset = spec.dataset
+        self.env = env
         self.limit = spec.config.writer_max_retries
         self._it: Iterator[Any] | None = None
+        self._yielded = False  # whether the current pass has yielded any chunk
 
     def restart(self) -> None:
         self._it = None
 
     def next(self) -> Any:
-        empty = 0
+        empty = barren = 0  # empty chunks or passes in a row; how many of them were passes without any chunk
         while True:
             if self._it is None:
                 self._it = iter(self.dataset)
+                self._yielded = False
             try:
                 chunk = next(self._it)
+                self._yielded = True
             except StopIteration:
                 self._it = None
                 chunk = None
+                barren += not self._yielded
             if chunk is not None and not _is_empty(chunk):
                 return chunk
             empty += 1
-            if empty > self.limit:
+            if empty > self.limit and barren == empty:
+                self._idle(barren)
+                empty = barren = 0
+            elif empty > self.limit:
                 raise SchemaError(
                     f"the dataset produced {empty} empty chunks or passes in a row (writer_max_retries="
                     f"{self.limit}); make its __iter__ yield chunks with at least one row"
+                )
+
+    def _idle(self, passes: int) -> None:
+        """Wait, serving the trainer, until a new context or dataset state may give this writer rows again."""
+        info = torch_worker._worker_info
+        who = f"writer {self.env.spec.index} (get_worker_info().id={info.id} of {info.num_workers})" if info else ""
+        cfg = self.env.config
+        log.info(
+            "%s of queue %r: the dataset ended %d passes in a row without a chunk, so this writer's share is empty "
+            "(a source with fewer shards than the job's writers?); it idles until load_state_dict or a new "
+            "training context",
+            who, cfg.queue_name, passes,
+        )  # fmt: skip
+        deadline = time.monotonic() + _EMPTY_SHARE_GRACE_S
+        published = False
+        while True:
+            if self.env.channel.poll(_IDLE_POLL_S) and _handle_control(self.env, self):
+                return
+            if published:
+                continue
+            published = "hmac" in self.env.store.meta()
+            if not published and time.monotonic() > deadline:
+                raise SchemaError(
+                    f"{who}: the dataset ended {passes} passes in a row without a chunk (writer_max_retries="
+                    f"{self.limit}) and no writer of node {cfg.node!r} produced a row within "
+                    f"{_EMPTY_SHARE_GRACE_S:.0f} s: the dataset is empty, or its shards are fewer than the job's "
+                    "writers and none fell to this node; add shards or use fewer writers"
                 )
 
 
@@ -70,32 +125,39 @@ def _is_empty(chunk: Any) -> bool:
 
 
 def _set_worker_info(spec: ChildSpec) -> int:
-    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job."""
+    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job, and seed
+    ``random``, numpy and torch with its seed (NOTE [ Seeds ] in seeds.py)."""
     cfg = spec.config
     worker_id = cfg.global_rank * cfg.num_writers + spec.index
-    seed = worker_id
+    num_workers = cfg.global_world_size * cfg.num_writers
+    seed = writer_seed(spec.seed, worker_id, num_workers, spec.start)
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits, as torch's docs suggest for workers
     torch.manual_seed(seed)
     torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=worker_id, num_workers=cfg.global_world_size * cfg.num_writers, seed=seed, dataset=spec.dataset
+        id=worker_id, num_workers=num_workers, seed=seed, dataset=spec.dataset
     )
     return worker_id
 
 
-def _handle_control(env: ChildEnv, chunks: _Chunks) -> None:
+def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
+    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state)."""
     dataset = env.spec.dataset
+    changed = False
     while env.channel.poll(0):
         message, _ = env.channel.recv()
         if isinstance(message, SetContext):
             dataset.context = message.context
+            changed = True
         elif isinstance(message, LoadState):
             dataset.load_state_dict(message.state)
             chunks.restart()
+            changed = True
         elif isinstance(message, StateRequest):
             env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
         else:
             log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    return changed
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:
@@ -105,7 +167,7 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     if spec.dataset_state is not None:
         spec.dataset.load_state_dict(spec.dataset_state)
     env = ChildEnv(spec, channel)
-    chunks = _Chunks(spec)
+    chunks = _Chunks(spec, env)
     _handle_control(env, chunks)
     chunk = chunks.next()
     layout = Layout.from_chunk(chunk)

@@ -3,8 +3,9 @@
 NOTE [ Why a zygote ]
 Spawning each child costs a full interpreter start plus ``import torch`` (seconds, and ~160 MB of private
 memory per child). Forking the trainer is fast but unsafe once it has started CUDA or threads. The zygote is
-exec'ed fresh (so it is CUDA-safe), imports torch and the user's main module once, then forks each child from
-that clean state: start-up costs one interpreter start, and children share torch's pages copy-on-write.
+exec'ed fresh (so it is CUDA-safe), takes the trainer's sys.path and working directory, imports torch once, then
+forks each child from that clean state: start-up costs one interpreter start, and children share torch's pages
+copy-on-write. It never imports the trainer's main module (see NOTE [ Pickling the dataset ] in pickling.py).
 
 Lifetime: the zygote watches its channel to the trainer; when the trainer closes it or dies, the zygote kills
 its children and exits. Children get PR_SET_PDEATHSIG(SIGKILL) against the single-threaded zygote, so nothing
@@ -121,12 +122,12 @@ def main(argv: list[str]) -> int:
         setproctitle.setproctitle(title)
     except ImportError:
         log.debug("setproctitle is not installed; process titles stay unchanged")
-    # Make the trainer's __main__ importable here, as multiprocessing's spawn does, so datasets defined in a
-    # training script unpickle; then import torch once for every child.
+    # The trainer's sys.path and working directory, so that its modules import here by name; its main module
+    # was left out of the preparation on purpose. Then import torch once for every child.
     multiprocessing.spawn.prepare(preparation)
     import torch  # noqa: F401
 
-    from . import child  # noqa: F401  (and with it the loops, the slot table and the control plane)
+    from . import child, pickling  # noqa: F401  (child: the loops, the slot table and the control plane)
 
     try:
         trainer.send(("ready", os.getpid()))

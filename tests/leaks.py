@@ -135,7 +135,9 @@ def _own_children() -> set[int]:
     """Children this process started itself and has not reaped yet (their exit status is theirs to collect)."""
     pids = {p.pid for p in multiprocessing.active_children()}
     for obj in gc.get_objects():
-        if isinstance(obj, subprocess.Popen) and obj.returncode is None:
+        # type(), not isinstance(): isinstance reads obj.__class__, which wakes lazy module proxies (torch's
+        # deprecated aliases warn when touched).
+        if issubclass(type(obj), subprocess.Popen) and obj.returncode is None:
             pids.add(obj.pid)
     return pids
 

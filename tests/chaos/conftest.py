@@ -32,21 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import leaks
-import numpy as np
 import psutil
 import pytest
 import redis
 from chaos_datasets import check_batch, writer_of
 from redis_servers import wait_until
+from slot_audit import audit_slots, node_table
+from timing import startup_deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.buffer import SharedMemory
-from gigashuffle.control import ControlPlane
-from gigashuffle.errors import AttachError
 from gigashuffle.keys import QueueKeys
-from gigashuffle.redisconn import connect
-from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
-from gigashuffle.workers import fetch_node_fds
 
 REPORT_ENV = "GIGASHUFFLE_CHAOS_REPORT"
 DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"
@@ -55,7 +50,8 @@ DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"
 SHM_PATTERN = "*gigashuffle*"
 LEAK_FIELDS = ("shm", "semaphores", "fds", "children", "sockets", "redis_keys", "mappings")
 TRAINER_SCRIPT = Path(__file__).with_name("trainer_script.py")
-NEXT_TIMEOUT_S = 60.0  # one next() call, zygote start-up (an interpreter plus import torch) included
+# One next() call, zygote start-up (an interpreter plus import torch) and the children's attach included.
+NEXT_TIMEOUT_S = startup_deadline(60.0, startups=30)
 
 
 RUN_ENV = "GIGASHUFFLE_CHAOS_RUN"
@@ -127,48 +123,6 @@ class FreshScan:
             return []
         with redis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0) as client:
             return list(client.scan_iter(match=match, count=count))
-
-
-@contextlib.contextmanager
-def node_table(url: str, keys: QueueKeys, shuffle_size: int) -> Iterator[SlotTable | None]:
-    """The node's slot table, mapped through any attach socket its processes list (None if nobody serves it)."""
-    client = connect(url, total_timeout_s=5.0)
-    try:
-        try:
-            buffer_fd, table_fd = fetch_node_fds(ControlPlane(client, keys), keys.queue, 2.0)
-        except AttachError:
-            yield None
-            return
-        os.close(buffer_fd)
-        table = SlotTable(shuffle_size, SharedMemory(table_nbytes(shuffle_size), table_fd))
-        try:
-            yield table
-        finally:
-            table.close()
-    finally:
-        client.close()
-
-
-def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool = True) -> dict[str, Any]:
-    """One atomic look at the slot table (under its lock): every slot in exactly one known state.
-
-    With ``settled`` every slot being written or read must also be held by a live, registered process (those
-    of dead ones were repaired).
-    """
-    with node_table(url, keys, shuffle_size) as table:
-        assert table is not None, "no process serves the node buffer and its slot table"
-        with table._locked():
-            state, holder = table.state.copy(), table.holder.copy()
-    with redis.Redis.from_url(url, socket_timeout=10.0) as client:
-        procs = {int(json.loads(v)["pid"]) for v in client.hvals(keys.procs)}
-    assert len(state) == shuffle_size
-    unknown = sorted(set(np.unique(state).tolist()) - {EMPTY, WRITING, FULL, READING, READING_EVICT})
-    assert not unknown, f"slots in unknown states {unknown}"
-    held = np.isin(state, (WRITING, READING, READING_EVICT))
-    if settled:
-        orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
-        assert not orphans, f"slots held by processes that are dead or not registered (never repaired): {orphans}"
-    return {"empty": int((state == EMPTY).sum()), "full": int((state == FULL).sum()), "leased": int(held.sum())}
 
 
 # -- iteration ---------------------------------------------------------------------------------------------

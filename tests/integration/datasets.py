@@ -11,12 +11,15 @@ Ids are globally unique: ``id = base + worker_id * ID_STRIDE + counter`` where `
 from __future__ import annotations
 
 import itertools
+import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from timing import startup_deadline
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import INDEX_KEY
@@ -149,6 +152,62 @@ class WorkerInfoEcho(IterableDataset):  # type: ignore[type-arg]
                     "is_self": torch.full((4,), is_self, dtype=torch.bool),
                 }
             ]
+
+
+class SeedEcho(IterableDataset):  # type: ignore[type-arg]
+    """Rows carry the writer's seeds and a draw from each RNG made when ``__iter__`` starts: deterministic per seed.
+
+    ``wid``, ``seed`` (``get_worker_info().seed``), ``initial`` (``torch.initial_seed()``), ``py``/``np``/``pt``
+    (``random``, numpy and torch draws); ids are unique per writer as in ``UniqueIds``.
+    """
+
+    def __iter__(self) -> Iterator[Chunk]:
+        info = get_worker_info()
+        if info is None:
+            raise RuntimeError("get_worker_info() is None in a gigashuffle writer")
+        draws = {
+            "py": random.getrandbits(62),
+            "np": int(np.random.randint(0, 2**62, dtype=np.int64)),
+            "pt": int(torch.randint(0, 2**62, ())),
+        }
+        fixed = {"wid": info.id, "seed": info.seed, "initial": torch.initial_seed(), **draws}
+        for n in itertools.count(0, 4):
+            row = {key: torch.full((4,), value, dtype=torch.int64) for key, value in fixed.items()}
+            yield [{"id": torch.arange(n, n + 4, dtype=torch.int64) + info.id * ID_STRIDE, **row}]
+
+
+class FewShards(IterableDataset):  # type: ignore[type-arg]
+    """A source with ``shards`` shards split by worker, as Hugging Face and webdataset split theirs: writers with
+    ``id >= shards`` get nothing, every pass. Each ``__iter__`` appends its worker id to ``passes_file``."""
+
+    def __init__(self, shards: int, passes_file: str) -> None:
+        self.shards = shards
+        self.passes_file = passes_file
+        self.resumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"resumed": self.resumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resumed = int(state["resumed"])
+
+    def __iter__(self) -> Iterator[Chunk]:
+        wid, _ = _worker()
+        with open(self.passes_file, "a") as f:
+            f.write(f"{wid}\n")
+        if wid >= self.shards:
+            return
+        yield from UniqueIds(chunk=4).__iter__()
+
+
+def passes_by_worker(passes_file: str) -> dict[int, int]:
+    """How often each worker id started a pass of ``FewShards``."""
+    try:
+        with open(passes_file) as f:
+            ids = [int(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return {}
+    return {wid: ids.count(wid) for wid in set(ids)}
 
 
 # -- checkpointing ---------------------------------------------------------------------------------------------
@@ -343,16 +402,16 @@ class UsesIndexKey(IterableDataset):  # type: ignore[type-arg]
 
 
 class Unpicklable(UniqueIds):
-    """Holds a lambda, so it cannot be pickled to the writers."""
+    """Holds a lock, which no pickler (cloudpickle included) can send to the writers."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hook = lambda: None
+        self.lock = threading.Lock()
 
 
 # -- helpers for the tests (not pickled) -----------------------------------------------------------------------
 
-DEADLINE_S = 120.0
+DEADLINE_S = startup_deadline(120.0, startups=60)  # a loader's start-up included
 """Generous per-wait deadline: the suite shares two cores with other jobs; nothing here asserts on speed."""
 
 

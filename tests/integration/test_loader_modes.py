@@ -18,6 +18,7 @@ from datasets import (
     take,
     wait_for,
 )
+from slot_audit import audit_slots
 
 from gigashuffle import (
     INDEX_KEY,
@@ -26,6 +27,7 @@ from gigashuffle import (
     QueueInUseError,
     ShuffleBufferStats,
 )
+from gigashuffle.keys import QueueKeys
 
 
 def _queue(tag: str) -> str:
@@ -222,6 +224,17 @@ def test_stats_account_for_every_slot(redis_url: str) -> None:
             lambda: s if (s := loader.stats()).full >= slots - cfg.ring_depth * cfg.bs else None, "a full buffer"
         )
         assert full.full + full.empty + full.in_flight == slots
+        # Quiet now (no empty slot for the writer, a full ring for the reader): stats() must agree exactly with an
+        # independent, atomic count of where every slot is, taken before and after it.
+        keys = QueueKeys(cfg.queue_name, cfg.node)
+
+        def quiet_and_counted() -> tuple[ShuffleBufferStats, dict[str, int]] | None:
+            first = audit_slots(redis_url, keys, slots)
+            stats = loader.stats()
+            return (stats, first) if audit_slots(redis_url, keys, slots) == first else None
+
+        stats, audit = wait_for(quiet_and_counted, "two equal slot audits around stats()")
+        assert (stats.full, stats.empty, stats.in_flight) == (audit["full"], audit["empty"], audit["leased"]), audit
 
 
 # -- several loaders -------------------------------------------------------------------------------------------

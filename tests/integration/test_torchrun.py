@@ -32,13 +32,15 @@ import pytest
 import redis
 from leaks import assert_no_leaks, snapshot
 from redis_servers import LOOPBACK, free_port, wait_until
+from timing import startup_deadline
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(420)]
 
 JOB = Path(__file__).with_name("torchrun_job.py")
 REPORT = Path("/tmp/gigashuffle-torchrun-report.txt")
 BATCHES = 100
-JOB_DEADLINE_S = 240.0  # start-up on 2 busy cores is most of it: 2 agents, 4 ranks and 4 zygotes import torch
+# Start-up is most of a job: 2 agents, 4 ranks and 4 zygotes import torch on 2 cores.
+JOB_DEADLINE_S = startup_deadline(240.0, startups=120)
 JOB_ARGS = ["--bs", "8", "--shuffle-size", "256", "--num-writers", "1", "--num-readers", "1"]
 
 

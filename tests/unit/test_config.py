@@ -35,7 +35,11 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({"min_mixing": 1.5}, ValueError, "min_mixing", 1.5, "[0, 1]"),
     ({"min_mixing": math.inf}, ValueError, "min_mixing", math.inf, "[0, 1]"),
     ({"num_writers": 0}, ValueError, "num_writers", 0, "1 or more"),
-    ({"num_readers": 0}, ValueError, "num_readers", 0, "1 or more"),
+    ({"num_readers": -1}, ValueError, "num_readers", -1, "0 for a rank that only feeds the buffer"),
+    ({"seed": -1}, ValueError, "seed", -1, "[0, 2**63)"),
+    ({"seed": 2**63}, ValueError, "seed", 2**63, "or None for a random seed per job"),
+    ({"seed": True}, TypeError, "seed", True, "must be an int"),
+    ({"seed": 1.5}, TypeError, "seed", 1.5, "must be an int"),
     ({"writer_max_retries": 0}, ValueError, "writer_max_retries", 0, "1 or more"),
     ({"ring_depth": 1}, ValueError, "ring_depth", 1, ">= 2"),
     ({"max_restarts": -1}, ValueError, "max_restarts", -1, "fail fast"),
@@ -255,3 +259,11 @@ def test_redis_url_alone_has_no_legacy_url() -> None:
     cfg = make(redis_url="redis://127.0.0.1:1234/0")
     assert cfg.redis_url == "redis://127.0.0.1:1234/0"
     assert cfg.legacy_redis_url() is None
+
+
+def test_a_writer_only_rank_and_explicit_seeds_are_accepted() -> None:
+    assert make(num_readers=0).num_readers == 0
+    assert make(**TWO_LOCAL, num_readers=0, min_mixing=1.0).readers_per_node == 0
+    assert make(seed=0).seed == 0
+    assert make(seed=2**63 - 1).seed == 2**63 - 1
+    assert make().seed is None

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import _multiprocessing
 import contextlib
+import mmap
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import leaks
+import psutil
 import pytest
 import redis
 import redis_servers
@@ -187,10 +190,45 @@ def test_leak_accounting_detects_then_clears(runtime_dir: Path, redis_url: str) 
                 with pytest.raises(AssertionError, match=r"(?s)children \(1\).*leaked\.sock"):
                     leaks.assert_no_leaks(before, deadline_s=0.2, redis_client=client, **args)
 
+            child.wait(timeout=10)  # it exits on EOF; until it is reaped it is a zombie of ours, which counts
             leaks.assert_no_leaks(before, deadline_s=10.0, redis_client=client, **args)
         finally:
             child.kill()
             child.wait(timeout=10)
+
+
+def test_leak_accounting_sees_memfd_mappings_zombies_and_orphans(runtime_dir: Path) -> None:
+    before = leaks.snapshot(runtime_dir=runtime_dir)
+    # A mapping of a gigashuffle memfd whose fd is closed: no fd, no /dev/shm name, only the mapping is left.
+    fd = os.memfd_create("gigashuffle-leaktest", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    mapping = mmap.mmap(fd, 4096)
+    os.close(fd)
+    found = leaks.diff(before, leaks.snapshot(runtime_dir=runtime_dir))
+    assert len(found.get("mappings", [])) == 1 and "memfd:gigashuffle-leaktest" in found["mappings"][0], found
+    mapping.close()
+    leaks.assert_no_leaks(before, deadline_s=5.0, runtime_dir=runtime_dir)
+
+    # A child that exited but was never waited for: a zombie, counted until reaped.
+    exited = subprocess.Popen(["true"])
+    wait_until(lambda: psutil.Process(exited.pid).status() == psutil.STATUS_ZOMBIE, timeout_s=10, what="a zombie")
+    found = leaks.diff(before, leaks.snapshot(runtime_dir=runtime_dir))
+    assert [c.pid for c in found.get("children", [])] == [exited.pid], found
+    exited.wait(timeout=10)
+    leaks.assert_no_leaks(before, deadline_s=5.0, runtime_dir=runtime_dir)
+
+    # A grandchild whose parent exited first: the test process (a subreaper) adopts it, so it still counts.
+    spawn = "import subprocess as s; print(s.Popen(['sleep', '60'], stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+    spawner = subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, timeout=60, check=True)
+    orphan = int(spawner.stdout)
+    try:
+        assert psutil.Process(orphan).ppid() == os.getpid(), "the orphan was not adopted by the test process"
+        found = leaks.diff(before, leaks.snapshot(runtime_dir=runtime_dir))
+        assert [c.pid for c in found.get("children", [])] == [orphan], found
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+    # Once dead, the adopted orphan is reaped by the snapshot itself: nothing of it is left.
+    leaks.assert_no_leaks(before, deadline_s=10.0, runtime_dir=runtime_dir)
 
 
 def test_leak_accounting_ignores_fixture_server_restarts(tmp_path: Path) -> None:

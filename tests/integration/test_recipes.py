@@ -1,0 +1,184 @@
+"""The README's data-source recipes, run as users run them, on data built here: ``examples/hf_datasets.py`` (a
+Hugging Face ``datasets`` IterableDataset) and ``examples/webdataset_shards.py`` (webdataset tar shards), each as a
+two-rank job with fewer shards than the job has writers; ``gigashuffle.sources.Chunked`` refusing a source that is
+already split by node; and a writer whose share is empty idling instead of failing.
+
+The recipes run as subprocesses (ranks 0 and 1, one per simulated node, ``RANK``/``WORLD_SIZE`` in their
+environment as torchrun sets them): the helper module next to this file is also called ``datasets`` and would
+shadow Hugging Face's package in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import webdataset as wds
+from datasets import DEADLINE_S, FewShards, check_unique_batch, passes_by_worker, take, wait_for, writer_of
+
+import gigashuffle
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.sources import Chunked, chunks
+
+REPO_ROOT = Path(gigashuffle.__file__).resolve().parent.parent
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def _run_ranks(script: Path, args: list[str], cwd: Path, rank_args: list[list[str]]) -> list[dict[str, Any]]:
+    """Run ``script`` as ranks 0, 1, ... (one per node, ``rank_args[r]`` added to ``args``); the JSON line each
+    printed, failing with their output."""
+    world = len(rank_args)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args, *rank_args[r]],
+            cwd=cwd,
+            env=_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs: list[tuple[int | None, str, str]] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            outputs.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    report = "\n".join(f"--- rank {r}: exit {code}\n{out}\n{err[-4000:]}" for r, (code, out, err) in enumerate(outputs))
+    assert all(code == 0 for code, _, _ in outputs), report
+    return [json.loads(out.splitlines()[-1]) for _, out, _ in outputs]
+
+
+def _recipe_args(redis_url: str) -> list[str]:
+    # 4 writers in the job (2 per rank) and 3 shards of 20 rows: writers 0, 1, 2 read shards 0, 1, 2, writer 3
+    # (rank 1's second) has none and must idle.
+    return ["--rows", "60", "--shards", "3", "--num-writers", "2", "--batches", "20000", "--bs", "4",
+            "--shuffle-size", "32", "--chunk-rows", "4", "--redis-url", redis_url,
+            "--queue", f"recipe-{uuid.uuid4().hex[:8]}"]  # fmt: skip
+
+
+# Each rank reads until it has seen every id of its share (a fixed batch count would race with a writer that
+# starts late); with a source split twice it never would, and stops at --batches with a fraction instead.
+RANK_ARGS = [["--distinct", "40"], ["--distinct", "20"]]
+
+
+def _check_job_wide_split(results: list[dict[str, Any]]) -> None:
+    by_rank = {r["rank"]: set(r["ids"]) for r in results}
+    # Shard k holds ids [20k, 20k + 20); rank 0's writers (job-wide ids 0, 1) read shards 0 and 1, rank 1's writer
+    # 2 reads shard 2. A second split by node would leave each rank half of that.
+    assert by_rank == {0: set(range(40)), 1: set(range(40, 60))}, {r: sorted(i) for r, i in by_rank.items()}
+    assert [r["writers"] for r in results] == [2, 2], "a writer without a shard died instead of idling"
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_hugging_face_recipe_splits_the_shards_over_every_writer_of_the_job(redis_url: str, tmp_path: Path) -> None:
+    results = _run_ranks(EXAMPLES / "hf_datasets.py", _recipe_args(redis_url), tmp_path, RANK_ARGS)
+    _check_job_wide_split(results)
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(redis_url: str, tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, str(EXAMPLES / "webdataset_shards.py"), "--write-shards", str(tmp_path / "shards"),
+         "--shards", "3", "--rows", "60"],
+        env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    urls = made.stdout.strip()
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{i:06d}.tar" for i in range(3)]
+    results = _run_ranks(
+        EXAMPLES / "webdataset_shards.py", ["--urls", urls, *_recipe_args(redis_url)], tmp_path, RANK_ARGS
+    )
+    _check_job_wide_split(results)
+
+
+def test_a_hugging_face_dataset_split_by_node_is_refused(tmp_path: Path) -> None:
+    program = (
+        "from datasets import Dataset\n"
+        "from datasets.distributed import split_dataset_by_node\n"
+        "from gigashuffle.sources import Chunked\n"
+        "ds = Dataset.from_dict({'x': list(range(8))}).to_iterable_dataset(num_shards=4)\n"
+        "Chunked(ds, rows=2)\n"
+        "try:\n"
+        "    Chunked(split_dataset_by_node(ds, rank=1, world_size=2), rows=2)\n"
+        "except ValueError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=DEADLINE_S, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr
+    assert "split_dataset_by_node(rank=1, world_size=2)" in proc.stdout and "1/world_size" in proc.stdout
+
+
+def test_a_webdataset_split_by_node_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    urls = str(tmp_path / "shard-{000000..000001}.tar")
+    Chunked(wds.WebDataset(urls, nodesplitter=None, shardshuffle=False), rows=2)
+    with pytest.raises(ValueError, match=r"webdataset\.split_by_node.*1/world_size"):
+        Chunked(wds.WebDataset(urls, nodesplitter=wds.split_by_node, shardshuffle=False), rows=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"nodesplitter=None"):
+        Chunked(wds.WebDataset(urls, shardshuffle=False), rows=2)
+
+
+def test_chunks_stack_samples_into_chunks_of_the_given_size() -> None:
+    samples = [{"__key__": f"k{i}", "id": i, "x": torch.full((2,), float(i)), "flag": i % 2 == 0} for i in range(7)]
+    got = list(chunks(iter(samples), 3))
+    assert [len(c[0]["id"]) for c in got] == [3, 3, 1]
+    assert set(got[0][0]) == {"id", "x", "flag"}, "dunder fields (webdataset's __key__) stay out"
+    assert torch.equal(torch.cat([c[0]["id"] for c in got]), torch.arange(7))
+    assert got[0][0]["x"].shape == (3, 2) and got[0][0]["flag"].dtype == torch.bool
+    with pytest.raises(TypeError, match="'name' is a str"):
+        list(chunks([{"name": "a"}], 1))
+    with pytest.raises(ValueError, match="rows=0"):
+        Chunked([], rows=0)
+
+
+def test_a_writer_whose_share_is_empty_idles_instead_of_failing(redis_url: str, tmp_path: Path) -> None:
+    """3 writers, 1 shard: writers 1 and 2 end writer_max_retries + 1 passes without a chunk, then stop trying
+    (no busy loop), stay alive, answer state_dict, and try again after load_state_dict."""
+    passes = str(tmp_path / "passes")
+    retries = 3
+    cfg = DataloaderConfig(bs=4, shuffle_size=32, queue_name=f"empty-share-{uuid.uuid4().hex[:8]}", num_writers=3,
+                           num_readers=1, writer_max_retries=retries, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(FewShards(shards=1, passes_file=passes), cfg) as loader:
+        it = iter(loader)
+        idle = {1: retries + 1, 2: retries + 1}
+        wait_for(lambda: {w: n for w, n in passes_by_worker(passes).items() if w in idle} == idle,
+                 "writers 1 and 2 to give up on their empty shares")  # fmt: skip
+        for batch in take(it, 40):  # the job goes on, fed by writer 0 alone
+            assert {int(w) for w in writer_of(torch.tensor(check_unique_batch(batch, 4, 32)))} == {0}
+        assert {w: n for w, n in passes_by_worker(passes).items() if w in idle} == idle, "idle writers kept trying"
+        assert len(loader.child_pids()["writer"]) == 3
+        state = loader.state_dict()
+        assert state["writers"] == [{"resumed": 0}] * 3, "idle writers must still answer state_dict"
+        loader.load_state_dict({**state, "writers": [{"resumed": 1}] * 3})
+        again = {1: 2 * (retries + 1), 2: 2 * (retries + 1)}
+        wait_for(lambda: {w: n for w, n in passes_by_worker(passes).items() if w in again} == again,
+                 "idle writers to try their dataset again after load_state_dict")  # fmt: skip
+        check_unique_batch(take(it, 1)[0], 4, 32)

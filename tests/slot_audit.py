@@ -1,0 +1,67 @@
+"""An independent, atomic look at where every slot of a node's buffer is, for tests to check stats() against.
+
+``stats()`` reports counts; this maps the node's slot table itself (through an attach socket, as a process of the
+node would) and reads its state and holder arrays under the table's lock, so the look is atomic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import psutil
+import redis
+
+from gigashuffle.buffer import SharedMemory
+from gigashuffle.control import ControlPlane
+from gigashuffle.errors import AttachError
+from gigashuffle.keys import QueueKeys
+from gigashuffle.redisconn import connect
+from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
+from gigashuffle.workers import fetch_node_fds
+
+
+@contextlib.contextmanager
+def node_table(url: str, keys: QueueKeys, shuffle_size: int) -> Iterator[SlotTable | None]:
+    """The node's slot table, mapped through any attach socket its processes list (None if nobody serves it)."""
+    client = connect(url, total_timeout_s=5.0)
+    try:
+        try:
+            buffer_fd, table_fd = fetch_node_fds(ControlPlane(client, keys), keys.queue, 2.0)
+        except AttachError:
+            yield None
+            return
+        os.close(buffer_fd)
+        table = SlotTable(shuffle_size, SharedMemory(table_nbytes(shuffle_size), table_fd))
+        try:
+            yield table
+        finally:
+            table.close()
+    finally:
+        client.close()
+
+
+def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool = True) -> dict[str, Any]:
+    """One atomic look at the slot table (under its lock): every slot in exactly one known state.
+
+    With ``settled`` every slot being written or read must also be held by a live, registered process (those
+    of dead ones were repaired).
+    """
+    with node_table(url, keys, shuffle_size) as table:
+        assert table is not None, "no process serves the node buffer and its slot table"
+        with table._locked():
+            state, holder = table.state.copy(), table.holder.copy()
+    with redis.Redis.from_url(url, socket_timeout=10.0) as client:
+        procs = {int(json.loads(v)["pid"]) for v in client.hvals(keys.procs)}
+    assert len(state) == shuffle_size
+    unknown = sorted(set(np.unique(state).tolist()) - {EMPTY, WRITING, FULL, READING, READING_EVICT})
+    assert not unknown, f"slots in unknown states {unknown}"
+    held = np.isin(state, (WRITING, READING, READING_EVICT))
+    if settled:
+        orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
+        assert not orphans, f"slots held by processes that are dead or not registered (never repaired): {orphans}"
+    return {"empty": int((state == EMPTY).sum()), "full": int((state == FULL).sum()), "leased": int(held.sum())}
