@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .control import ControlPlane, text
+from .control import FLUSH_PERIOD_S, ControlPlane, text
 from .keys import META_PATTERN, QueueKeys
 from .redisconn import Client, connect
 from .runtime import runtime_dir
@@ -22,7 +22,8 @@ def _scan(client: Client, pattern: str) -> list[str]:
 
 
 def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
-    """One row per queue and node found on the server; rates are measured over ``interval_s``."""
+    """One row per queue and node found on the server; rates are measured over ``interval_s``, or longer until
+    every queue's counters moved (processes flush them every ``FLUSH_PERIOD_S``) or the window spans two flushes."""
     stores = [
         ControlPlane(client, QueueKeys(*parsed))
         for meta_key in _scan(client, META_PATTERN)
@@ -32,6 +33,9 @@ def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     started = time.monotonic()
     if stores and interval_s > 0:
         time.sleep(interval_s)
+        longest = started + max(interval_s, 2 * FLUSH_PERIOD_S)
+        while time.monotonic() < longest and any(s.counters() == b for s, b in zip(stores, before, strict=True)):
+            time.sleep(0.05)  # an idle queue keeps its counters: the wait ends at ``longest`` then
     elapsed = max(time.monotonic() - started, 1e-9)
     rows = []
     for store, (written_before, read_before) in zip(stores, before, strict=True):

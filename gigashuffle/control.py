@@ -16,6 +16,9 @@ from . import scripts
 from .keys import QueueKeys
 from .redisconn import Client, address, translate_errors
 
+FLUSH_PERIOD_S = 1.0
+"""How often a busy child flushes its counters: a few Redis calls a second per node, never one per batch."""
+
 
 def text(value: bytes | str) -> str:
     """redis-py returns bytes from our clients; accept str too (a client made with decode_responses)."""

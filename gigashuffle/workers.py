@@ -18,7 +18,7 @@ from .attach import AttachServer, attach
 from .buffer import SharedMemory, SlotBuffer
 from .channel import Channel
 from .config import DataloaderConfig
-from .control import ControlPlane
+from .control import FLUSH_PERIOD_S, ControlPlane
 from .errors import AttachError
 from .keys import QueueKeys
 from .meta import signed_meta, verified_layout
@@ -183,13 +183,9 @@ def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[i
 
 
 class Housekeeping:
-    """What a child does a few times a second, off the hot path: repair slots of dead holders, flush counters.
+    """What a child does about once a second, off the hot path: repair slots of dead holders, flush counters."""
 
-    The period is short enough that ``gigashuffle stats`` sees every busy process flush within its shortest
-    useful window (0.5 s), and long enough to stay far below one Redis call per batch.
-    """
-
-    def __init__(self, env: ChildEnv, period_s: float = 0.4) -> None:
+    def __init__(self, env: ChildEnv, period_s: float = FLUSH_PERIOD_S) -> None:
         self.env = env
         self.period_s = period_s
         self.written = 0
