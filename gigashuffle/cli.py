@@ -23,7 +23,8 @@ def _scan(client: Client, pattern: str) -> list[str]:
 
 def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     """One row per queue and node found on the server; rates are measured over ``interval_s``, or longer until
-    every queue's counters moved (processes flush them every ``FLUSH_PERIOD_S``) or the window spans two flushes."""
+    every queue's written and read counters moved (processes flush them every ``FLUSH_PERIOD_S``), at most
+    ``2.5 * FLUSH_PERIOD_S`` (an idle queue's counters never move)."""
     stores = [
         ControlPlane(client, QueueKeys(*parsed))
         for meta_key in _scan(client, META_PATTERN)
@@ -33,8 +34,13 @@ def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     started = time.monotonic()
     if stores and interval_s > 0:
         time.sleep(interval_s)
-        longest = started + max(interval_s, 2 * FLUSH_PERIOD_S)
-        while time.monotonic() < longest and any(s.counters() == b for s, b in zip(stores, before, strict=True)):
+        longest = started + max(interval_s, 2.5 * FLUSH_PERIOD_S)
+
+        def some_unchanged() -> bool:  # written or read of some queue not flushed since ``before``
+            now = [store.counters() for store in stores]
+            return any(n[0] == b[0] or n[1] == b[1] for n, b in zip(now, before, strict=True))
+
+        while time.monotonic() < longest and some_unchanged():
             time.sleep(0.05)  # an idle queue keeps its counters: the wait ends at ``longest`` then
     elapsed = max(time.monotonic() - started, 1e-9)
     rows = []
