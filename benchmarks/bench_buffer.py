@@ -1,0 +1,93 @@
+"""The two copies the loader makes, each timed alone: ``SlotBuffer.gather`` (reader) and ``SlotBuffer.write`` (writer).
+
+Every figure is seconds per 1,000 rows, so lower is better, as asv assumes. No processes and no Redis: a change
+in either copy shows up here without the noise of the rest of the loader. The buffers are built once per
+benchmark process (asv re-runs ``setup`` before every sample, so it only looks them up).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gigashuffle.bench.workloads import WORKLOADS
+from gigashuffle.buffer import BatchRing, SlotBuffer
+from gigashuffle.schema import Layout
+
+ROWS = 1_000
+# Slots per buffer: enough distinct rows that 1,000 random ones are spread over more memory than the CPU caches
+# hold (image: 150 MB, tokens: 33 MB), as in a real buffer, while staying small enough for a laptop.
+SLOTS = {"image": 1_024, "tokens": 4_096, "tiny": 65_536}
+WORKLOAD_NAMES = list(SLOTS)
+
+
+class _Fixture:
+    """A filled buffer of one workload, the batches of 1,000 random slots to gather, and ring memory for them."""
+
+    def __init__(self, name: str) -> None:
+        workload = WORKLOADS[name]
+        slots = SLOTS[name]
+        chunk = [workload.make_chunk()]
+        self.layout = Layout.from_chunk(chunk)
+        _, self.chunk_rows = self.layout.rows_in(chunk)
+        self.buffer = SlotBuffer(self.layout, slots)
+        rows = workload.chunk_rows
+        for start in range(0, slots, rows):
+            ids = torch.arange(start, min(start + rows, slots))
+            self.buffer.write(ids, self.chunk_rows, 0)
+        order = torch.randperm(slots, generator=torch.Generator().manual_seed(0))[:ROWS]
+        # A reader gathers batches of bs distinct slots into its ring: 1,000 rows as full batches plus one
+        # partial batch, written into the ring's shared memory as the reader does.
+        self.ring = BatchRing(self.layout, workload.bs, depth=1)
+        fields, _ = self.ring.regions(0)
+        self.gathers = [
+            (order[s : s + workload.bs], [f[: len(order[s : s + workload.bs])] for f in fields])
+            for s in range(0, ROWS, workload.bs)
+        ]
+        # A writer copies whole chunks into the empty slots it was given.
+        self.writes = [order[s : s + rows] for s in range(0, ROWS, rows)]
+
+
+_FIXTURES: dict[str, _Fixture] = {}
+
+
+def _fixture(name: str) -> _Fixture:
+    if name not in _FIXTURES:
+        _FIXTURES[name] = _Fixture(name)
+    return _FIXTURES[name]
+
+
+class Gather:
+    """``SlotBuffer.gather`` of 1,000 random full slots into a reader ring, in batches of the workload's bs."""
+
+    params = (WORKLOAD_NAMES,)
+    param_names = ("workload",)
+    # Many short samples: asv's significance test needs a spread, and one gather is milliseconds at most.
+    repeat = (20, 200, 10.0)
+    warmup_time = 0.2
+    timeout = 300
+
+    def setup(self, workload: str) -> None:
+        self.fixture = _fixture(workload)
+
+    def time_gather_1000_rows(self, workload: str) -> None:
+        buffer = self.fixture.buffer
+        for ids, out in self.fixture.gathers:
+            buffer.gather(ids, out)
+
+
+class Write:
+    """``SlotBuffer.write`` of 1,000 rows as whole chunks into random empty slots, as a writer does."""
+
+    params = (WORKLOAD_NAMES,)
+    param_names = ("workload",)
+    repeat = (20, 200, 10.0)
+    warmup_time = 0.2
+    timeout = 300
+
+    def setup(self, workload: str) -> None:
+        self.fixture = _fixture(workload)
+
+    def time_write_1000_rows(self, workload: str) -> None:
+        buffer, rows = self.fixture.buffer, self.fixture.chunk_rows
+        for ids in self.fixture.writes:
+            buffer.write(ids, rows, 0)
