@@ -1,17 +1,23 @@
 """The two copies the loader makes, each timed alone: ``SlotBuffer.gather`` (reader) and ``SlotBuffer.write`` (writer).
 
-Every figure is seconds per 1,000 rows, so lower is better, as asv assumes. No processes and no Redis: a change
+Every figure is CPU seconds per 1,000 rows, so lower is better, as asv assumes. No processes and no Redis: a change
 in either copy shows up here without the noise of the rest of the loader. The buffers are built once per
 benchmark process (asv re-runs ``setup`` before every sample, so it only looks them up).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gigashuffle.bench.workloads import WORKLOADS
 from gigashuffle.buffer import BatchRing, SlotBuffer
 from gigashuffle.schema import Layout
+
+# Readers and writers run with one intra-op thread (workers.py); a second thread would also make every sample
+# wait for whichever thread the scheduler delayed, which on a shared machine is most of the spread.
+torch.set_num_threads(1)
 
 ROWS = 1_000
 # Slots per buffer: enough distinct rows that 1,000 random ones are spread over more memory than the CPU caches
@@ -64,6 +70,10 @@ class Gather:
     # Many short samples: asv's significance test needs a spread, and one gather is milliseconds at most.
     repeat = (20, 200, 10.0)
     warmup_time = 0.2
+    # One thread doing CPU work: its CPU time is what the copy costs, and unlike wall time it does not grow when
+    # the scheduler hands the core to another job (on a loaded 2-core machine the interquartile range of the
+    # image gather was 17-34 ms wall, 19-21 ms CPU).
+    timer = time.process_time
     timeout = 300
 
     def setup(self, workload: str) -> None:
@@ -82,6 +92,7 @@ class Write:
     param_names = ("workload",)
     repeat = (20, 200, 10.0)
     warmup_time = 0.2
+    timer = time.process_time  # see Gather
     timeout = 300
 
     def setup(self, workload: str) -> None:
