@@ -76,6 +76,14 @@ def test_subcommands_answer_their_own_help() -> None:
     assert "usage: gigashuffle demo" in done.stdout and "--seconds" in done.stdout
 
 
+def test_bench_json_through_the_command() -> None:
+    done = cli("bench", "--workload", "tiny", "--seconds", "0.05", "--no-loader", "--json", "--log-level", "WARNING")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(done.stdout)
+    assert result["workload"] == "tiny"
+    assert result["copy_floor"]["samples_per_s"] > 0
+
+
 def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> None:
     config = DataloaderConfig(
         bs=8, shuffle_size=128, queue_name="cli-stats", num_writers=1, num_readers=1, redis_url=redis_url
