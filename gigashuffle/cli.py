@@ -132,26 +132,18 @@ def _check_url(url: str, where: str) -> str:
     return url
 
 
-def _servers(explicit: str | None) -> list[str]:
+def _fixed_server(explicit: str | None) -> str | None:
+    """The one server named by --redis or $GIGASHUFFLE_REDIS_URL; None: list the embedded servers."""
     if explicit:
-        return [_check_url(explicit, "--redis")]
+        return _check_url(explicit, "--redis")
     url = os.environ.get("GIGASHUFFLE_REDIS_URL")
-    if url:
-        return [_check_url(url, "GIGASHUFFLE_REDIS_URL")]
-    from .errors import GigashuffleError
+    return _check_url(url, "GIGASHUFFLE_REDIS_URL") if url else None
+
+
+def _no_embedded_server() -> str:
     from .runtime import runtime_dir
 
-    try:
-        found = embedded_servers()
-        directory = runtime_dir()
-    except (GigashuffleError, OSError) as exc:
-        raise CliError(f"cannot read the runtime directory: {exc}") from exc
-    if not found:
-        raise CliError(
-            f"no embedded gigashuffle server answers in {directory} (no loader of this user runs on this machine); "
-            "pass --redis URL for another server, or set GIGASHUFFLE_REDIS_URL"
-        )
-    return found
+    return f"no embedded gigashuffle server answers in {runtime_dir()} (no loader of this user runs on this machine)"
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -165,12 +157,30 @@ def _root_cause(exc: BaseException) -> str:
 
 
 class _Servers:
-    """One client per server, opened once for all refreshes; any Redis failure becomes a :class:`CliError`."""
+    """The servers to list, with one client each kept across refreshes; Redis failures become :class:`CliError`.
 
-    def __init__(self, urls: list[str], timeout_s: float) -> None:
-        self.urls = urls
+    Without a fixed server, the embedded servers are found again at every refresh: they come and go with the
+    loaders of their node, and ``--watch`` should follow them as ``top`` follows processes.
+    """
+
+    def __init__(self, fixed: str | None, timeout_s: float) -> None:
+        self.fixed = fixed
         self.timeout_s = timeout_s
+        self.urls: list[str] = []
         self.clients: dict[str, Client] = {}
+
+    def refresh(self) -> None:
+        if self.fixed is not None:
+            self.urls = [self.fixed]
+            return
+        from .errors import GigashuffleError
+
+        try:
+            self.urls = embedded_servers()
+        except (GigashuffleError, OSError) as exc:
+            raise CliError(f"cannot read the runtime directory: {_root_cause(exc)}") from exc
+        for gone in set(self.clients) - set(self.urls):
+            self.clients.pop(gone).close()
 
     def _guard(self, url: str, call: Callable[[], Any]) -> Any:
         import redis
@@ -189,10 +199,20 @@ class _Servers:
         from .redisconn import connect
 
         samples = []
-        for url in self.urls:
-            if url not in self.clients:
-                self.clients[url] = self._guard(url, functools.partial(connect, url, total_timeout_s=self.timeout_s))
-            samples += self._guard(url, functools.partial(sample, self.clients[url], url))
+        for url in list(self.urls):
+            try:
+                if url not in self.clients:
+                    connecting = functools.partial(connect, url, total_timeout_s=self.timeout_s)
+                    self.clients[url] = self._guard(url, connecting)
+                samples += self._guard(url, functools.partial(sample, self.clients[url], url))
+            except CliError:
+                if self.fixed is not None:
+                    raise
+                # An embedded server stops when the last loader of its node closes, maybe since refresh().
+                self.urls.remove(url)
+                client = self.clients.pop(url, None)
+                if client is not None:
+                    client.close()
         return samples
 
     def close(self) -> None:
@@ -223,7 +243,8 @@ def _show(rows: list[dict[str, Any]], urls: list[str], args: argparse.Namespace,
             elif frame:
                 out.write("\n")
             stamp = time.strftime("%H:%M:%S")
-            out.write(f"gigashuffle stats  {stamp}  every {args.watch:g} s  {', '.join(urls)}\n")
+            where = ", ".join(urls) or _no_embedded_server()
+            out.write(f"gigashuffle stats  {stamp}  every {args.watch:g} s  {where}\n")
         out.write(format_table(rows) + "\n")
     out.flush()
 
@@ -264,26 +285,33 @@ def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         raise CliError(f"--count {args.count} is invalid: use 1 or more refreshes")
     if not args.timeout > 0:
         raise CliError(f"--timeout {args.timeout:g} is invalid: use a positive number of seconds")
-    urls = _servers(args.redis)
-    servers = _Servers(urls, args.timeout)
-    count = args.count if args.watch is not None else 1
+    watching = args.watch is not None
+    servers = _Servers(_fixed_server(args.redis), args.timeout)
     try:
+        servers.refresh()
+        if not servers.urls and not watching:
+            raise CliError(
+                f"{_no_embedded_server()}; pass --redis URL for another server, or set GIGASHUFFLE_REDIS_URL"
+            )
         previous: list[Sample] = []
         if args.interval > 0:
             previous = servers.sample()
             if previous:
                 time.sleep(args.interval)
+        count = args.count if watching else 1
         frame = 0
         while True:
+            if frame:
+                servers.refresh()
             current = servers.sample()
-            _show(with_rates(current, previous), urls, args, out, frame)
+            _show(with_rates(current, previous), servers.urls, args, out, frame)
             frame += 1
             if count is not None and frame >= count:
                 return 0
             previous = current
             time.sleep(args.watch)
     except KeyboardInterrupt:
-        return 0  # Ctrl-C is how a watch ends
+        return 0 if watching else 130  # Ctrl-C is how a watch ends; anywhere else it interrupts
     finally:
         servers.close()
 
@@ -306,12 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench", add_help=False, help="loader vs copy floor vs torch DataLoader; --json for machine-readable output"
     )
-    stats = commands.add_parser(
+    stats_command = commands.add_parser(
         "stats",
         help="list every queue and node: slot counts, ranks, processes, rows/s (--watch, --json)",
         description="List every gigashuffle queue and node on this machine's embedded servers or on --redis URL.",
     )
-    stats_parser(stats).set_defaults(parser=stats)
+    stats_parser(stats_command).set_defaults(parser=stats_command)
     return parser
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +193,56 @@ def test_no_embedded_server_is_one_line(runtime_dir: Path) -> None:
     (line,) = done.stderr.splitlines()
     assert f"no embedded gigashuffle server answers in {runtime_dir}" in line
     assert "--redis URL" in line
+
+
+def test_watch_follows_a_server_that_stops_and_ends_on_ctrl_c(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GIGASHUFFLE_REDIS_URL", raising=False)
+    config = DataloaderConfig(bs=4, shuffle_size=64, queue_name="cli-gone", num_writers=1, num_readers=1)
+    environ = {k: v for k, v in os.environ.items() if k != "GIGASHUFFLE_REDIS_URL"}
+    lines: queue.Queue[str] = queue.Queue()
+
+    def next_frame(deadline: float) -> list[dict[str, object]]:
+        try:
+            frame: list[dict[str, object]] = json.loads(lines.get(timeout=max(deadline - time.monotonic(), 0)))
+        except queue.Empty:
+            pytest.fail("no frame from `gigashuffle stats --watch` before the deadline")
+        return frame
+
+    loader = MultiprocessShuffledDataloader(UniqueIds(), config)
+    watch = None
+    try:
+        next(iter(loader))
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "gigashuffle.cli", "stats", "--watch", "0.1", "--json", "--interval", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
+        )  # fmt: skip
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        assert [r["queue"] for r in next_frame(deadline)] == ["cli-gone"]
+        loader.close()  # the last loader of the node: its embedded server stops
+        while next_frame(deadline):
+            pass  # frames until the watch sees the server gone
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=60)
+    finally:
+        loader.close()
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait(timeout=60)
+    assert watch.returncode == 0, stderr
+    assert stderr == ""
+
+
+def test_watch_without_a_server_waits_for_one(runtime_dir: Path) -> None:
+    # Embedded servers come and go with their loaders: a watch keeps looking, as top does for processes.
+    done = cli("stats", "--watch", "0.1", "--count", "2", env={"GIGASHUFFLE_RUNTIME_DIR": str(runtime_dir)})
+    assert done.returncode == 0, done.stderr
+    headers = [line for line in done.stdout.splitlines() if line.startswith("gigashuffle stats")]
+    assert len(headers) == 2
+    assert all(f"no embedded gigashuffle server answers in {runtime_dir}" in h for h in headers)
 
 
 @pytest.mark.parametrize(
