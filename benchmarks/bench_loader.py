@@ -1,10 +1,11 @@
-"""The whole loader, end to end, on a small workload: start-up, read time, CPU and memory per row.
+"""The whole loader, end to end, on a small workload: start-up, read time, CPU, Redis traffic and memory.
 
 Every figure falls when the loader gets better (asv assumes lower is better): seconds to the dummy batch,
-seconds per 1,000 rows read, CPU microseconds per row over all of the loader's processes, and the peak resident
-memory of its largest child. One writer and one reader on the embedded Redis, 32x32 RGB rows, so a run stays
-in seconds on a 2-core machine. Each benchmark measures only its own figure; those that read from a running
-loader share one per benchmark process, started (and mixed) in ``setup`` before any sample is taken.
+seconds per 1,000 rows read, CPU microseconds per row over all of the loader's processes, Redis commands per
+1,000 rows, and the peak resident memory of its largest child. One writer and one reader on the embedded Redis,
+32x32 RGB rows, so a run stays in seconds on a 2-core machine. Each benchmark measures only its own figure; those
+that read from a running loader share one per benchmark process, started (and mixed) in ``setup`` before any
+sample is taken.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import psutil
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.bench.runner import redis_command_calls
 from gigashuffle.bench.workloads import FieldSpec, RepeatingChunkDataset, Workload
 
 SMALL = Workload(
@@ -151,3 +153,13 @@ class Cost:
         return float(max(_peak_rss_bytes(pid) for pid in children))
 
     track_peak_rss_largest_child.unit = "bytes"  # type: ignore[attr-defined]
+
+    def track_redis_commands_per_1000_rows(self) -> float:
+        # Every command is a round trip for some process of the node: small rows are bound by them.
+        client = self.running.loader.redis_client()
+        before = redis_command_calls(client)
+        self.running.read(CPU_ROWS)
+        # The INFO that took `before` is counted in the second reading: take it off.
+        return round((redis_command_calls(client) - before - 1) * ROWS / CPU_ROWS, 2)
+
+    track_redis_commands_per_1000_rows.unit = "commands"  # type: ignore[attr-defined]
