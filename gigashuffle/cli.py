@@ -10,7 +10,9 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -278,6 +280,22 @@ def stats_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _end_on_sigint() -> threading.Event:
+    """Ctrl-C ends a watch: an event the loop checks, set by our own handler.
+
+    Python's default handler only raises KeyboardInterrupt, which a library call may swallow (an exception in a
+    ``__del__`` or a finalizer is only printed) or which never comes when SIGINT was ignored by whoever started
+    us; then a watch would refresh forever. The handler is installed explicitly, and the loop checks the event.
+    """
+    interrupted = threading.Event()
+
+    def handle(_signum: int, _frame: Any) -> None:
+        interrupted.set()
+
+    signal.signal(signal.SIGINT, handle)
+    return interrupted
+
+
 def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.watch is not None and not args.watch > 0:
         raise CliError(f"--watch {args.watch:g} is invalid: use a positive number of seconds")
@@ -287,6 +305,7 @@ def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         raise CliError(f"--timeout {args.timeout:g} is invalid: use a positive number of seconds")
     watching = args.watch is not None
     servers = _Servers(_fixed_server(args.redis), args.timeout)
+    interrupted = _end_on_sigint() if watching else threading.Event()
     try:
         servers.refresh()
         if not servers.urls and not watching:
@@ -306,10 +325,11 @@ def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             current = servers.sample()
             _show(with_rates(current, previous), servers.urls, args, out, frame)
             frame += 1
-            if count is not None and frame >= count:
+            if (count is not None and frame >= count) or interrupted.is_set():
                 return 0
             previous = current
-            time.sleep(args.watch)
+            if interrupted.wait(args.watch):
+                return 0
     except KeyboardInterrupt:
         return 0 if watching else 130  # Ctrl-C is how a watch ends; anywhere else it interrupts
     finally:
