@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import embedded
+from . import dummy, embedded
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
@@ -170,16 +170,50 @@ class MultiprocessShuffledDataloader:
         return found
 
     # -- the rest of the API ---------------------------------------------------------------------------------
-    def get_dummy_batch(self) -> Batch:
-        """A batch of ``bs`` copies of the dataset's first row, for warm-up before the buffer is mixed.
+    def get_dummy_batch(self, timeout_s: float | None = None) -> Batch:
+        """A batch of ``bs`` copies of the first row of writer 0 of the node's first rank (global rank 0 on node 0),
+        for warm-up before the buffer is mixed; it waits for that writer's first chunk (NOTE [ Dummy row ]).
 
-        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1.
+        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1. With
+        ``timeout_s``, a ``GigashuffleError`` is raised if the row has not come within that many seconds.
         """
         self._check_open()
         store = self._sup.session.store
-        meta = self._wait_for(lambda: m if "hmac" in (m := store.meta()) else None, "the first chunk")
+        started = time.monotonic()
+        next_warning = started + _SLOW_WARNING_S
+
+        def probe() -> tuple[dict[str, bytes], dict[str, bytes]] | None:
+            nonlocal next_warning
+            if timeout_s is not None and time.monotonic() > started + timeout_s:
+                raise GigashuffleError(
+                    f"queue {self.config.queue_name!r}: get_dummy_batch(timeout_s={timeout_s}) got no row: writer 0 "
+                    "of the node's first rank (local_rank 0) has not produced its first chunk; check that rank's "
+                    "dataset, or pass a larger timeout_s"
+                )
+            if time.monotonic() > next_warning:
+                log.warning(
+                    "queue %r: get_dummy_batch() has waited %.0f s for the first chunk of writer 0 of the node's "
+                    "first rank (local_rank 0); is that rank running?",
+                    self.config.queue_name, time.monotonic() - started,
+                )  # fmt: skip
+                next_warning += _SLOW_WARNING_S
+            published = dummy.read(store.client, store.keys)
+            if "hmac" not in published:
+                return None
+            meta = store.meta()
+            return (published, meta) if "hmac" in meta else None
+
+        published, meta = self._wait_for(probe, "the first chunk of writer 0")
         layout = verified_layout(self._secret, store.generation, meta, self.config.queue_name)
-        row = memoryview(bytearray(meta["first_row"]))
+        row_bytes = dummy.verified_row(self._secret, store.generation, published, meta, self.config.queue_name)
+        if row_bytes is None:
+            log.info(
+                "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
+                "the dummy batch repeats the first row of the writer that created the buffer instead",
+                self.config.queue_name,
+            )
+            row_bytes = meta["first_row"]
+        row = memoryview(bytearray(row_bytes))
         bs, offset = self.config.bs, 0
         batch: Batch = [{} for _ in range(layout.num_groups)]
         for spec in layout.fields:
