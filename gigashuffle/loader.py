@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import dummy, embedded
+from . import dummy, embedded, pinning
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 Batch = list[dict[str, torch.Tensor]]
 _REPLY_TIMEOUT_S = 60.0
 _SLOW_WARNING_S = 60.0
+# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
+_PENDING_PUMP_S = 0.002
 
 
 def resolve_redis_url(config: DataloaderConfig) -> tuple[str, embedded.EmbeddedServer | None]:
@@ -55,7 +57,8 @@ class MultiprocessShuffledDataloader:
 
     Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
     its batch (and every view of one) is gone, so a batch stays valid while the caller holds it. A caller that
-    holds more batches than the ring has room for gets copies instead, never a stall.
+    holds more batches than the ring has room for gets copies instead, never a stall. With
+    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ Pinned rings ]).
     """
 
     def __init__(self, dataset: Any, config: DataloaderConfig) -> None:
@@ -67,6 +70,8 @@ class MultiprocessShuffledDataloader:
             )
         self.config = config
         self.dataset = dataset
+        # First, so that a machine without the GPU the config asks for fails before any process starts.
+        self._placement = pinning.placement(config)
         self.keys = QueueKeys(config.queue_name, config.node)
         directory = runtime_dir()
         remove_stale_sockets(directory)
@@ -86,7 +91,7 @@ class MultiprocessShuffledDataloader:
             if server is not None:
                 embedded.release(server)
             raise
-        self._finalizer = weakref.finalize(self, self._sup.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
         self._pass_open = False
 
     # -- iteration -------------------------------------------------------------------------------------------
@@ -115,7 +120,7 @@ class MultiprocessShuffledDataloader:
         self._pass_open = True
         while True:
             while not sup.ready and ("end", 0) not in sup.replies:
-                sup.pump()
+                self._pump()
             if sup.ready:
                 yield self._deliver(*sup.ready.popleft())
             else:
@@ -141,8 +146,9 @@ class MultiprocessShuffledDataloader:
         self._check_open()
         waited_since = time.monotonic()
         next_warning = waited_since + _SLOW_WARNING_S
+        self._placement.poll()
         while not sup.ready:
-            sup.pump()
+            self._pump()
             if time.monotonic() > next_warning:
                 # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
                 log.warning(
@@ -152,17 +158,37 @@ class MultiprocessShuffledDataloader:
                 next_warning += _SLOW_WARNING_S
         return self._deliver(*sup.ready.popleft())
 
+    def _pump(self) -> None:
+        """Wait a little for messages; with pinned rings, also release the ring slots whose copies are done."""
+        placement = self._placement
+        if not placement.tracks:
+            self._sup.pump()
+            return
+        readers = [c for c in self._sup.readers() if c.ring is not None]
+        # Block on a copy only when no reader has a free ring slot left: otherwise the GPU work queued before it
+        # would stall the trainer for nothing.
+        starved = bool(readers) and all(c.ring is not None and c.held >= c.ring.depth for c in readers)
+        placement.poll(wait=starved)
+        if placement.pending:
+            self._sup.pump(_PENDING_PUMP_S)
+        else:
+            self._sup.pump()
+
     def _deliver(self, child: ChildProcess, k: int) -> Batch:
         ring = child.ring
         if ring is None:
             raise AssertionError("a batch arrived before its reader's ring")
+        if self._placement.moves:
+            # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
+            child.held += 1
+            return self._placement.deliver(ring, k, self._sup.release_later(child, k))
         if child.held >= ring.depth - 1:
             # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
             batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
             self._sup.send_free(child, k)
             return batch
         child.held += 1
-        return ring.batch(k, self._sup.release_later(child, k))
+        return self._placement.deliver(ring, k, self._sup.release_later(child, k))
 
     def _wait_for(self, probe: Any, what: str) -> Any:
         while (found := probe()) is None:
@@ -174,7 +200,8 @@ class MultiprocessShuffledDataloader:
         """A batch of ``bs`` copies of the first row of writer 0 of the node's first rank (global rank 0 on node 0),
         for warm-up before the buffer is mixed; it waits for that writer's first chunk (NOTE [ Dummy row ]).
 
-        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1. With
+        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1. It is on
+        ``DataloaderConfig.device`` when one is set. With
         ``timeout_s``, a ``GigashuffleError`` is raised if the row has not come within that many seconds.
         """
         self._check_open()
@@ -222,7 +249,7 @@ class MultiprocessShuffledDataloader:
             batch[spec.group][spec.key] = value.unsqueeze(0).repeat(bs, *([1] * len(spec.shape)))
             offset += spec.row_bytes
         batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
-        return batch
+        return self._placement.place(batch)
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
@@ -345,3 +372,11 @@ class MultiprocessShuffledDataloader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
+    """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop."""
+    try:
+        placement.close()
+    finally:
+        sup.shutdown()

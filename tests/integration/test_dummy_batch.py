@@ -67,11 +67,11 @@ def test_every_rank_of_a_node_gets_writer_0_of_the_nodes_first_rank(redis_url: s
     second = DataloaderConfig(local_rank=1, global_rank=node_first + 1, **common)
     dataset = LateWriters(redis_url, queue, second.node, late=late)
     # The second rank starts first and its writers create the buffer; the first rank's writer 0 comes last.
-    with MultiprocessShuffledDataloader(dataset, second) as other:
-        with MultiprocessShuffledDataloader(dataset, DataloaderConfig(local_rank=0, global_rank=node_first, **common)):
-            dummy = other.get_dummy_batch(timeout_s=DEADLINE_S)
-            assert _publisher_first_id(redis_url, queue, second.node) != first_id
-            _check_dummy(dummy, bs, first_id)
+    first = DataloaderConfig(local_rank=0, global_rank=node_first, **common)
+    with MultiprocessShuffledDataloader(dataset, second) as other, MultiprocessShuffledDataloader(dataset, first):
+        dummy = other.get_dummy_batch(timeout_s=DEADLINE_S)
+        assert _publisher_first_id(redis_url, queue, second.node) != first_id
+        _check_dummy(dummy, bs, first_id)
 
 
 def test_dummy_batch_falls_back_to_the_buffers_first_row_when_writer_0_has_no_rows(redis_url: str) -> None:
@@ -95,5 +95,5 @@ def test_a_forged_dummy_row_is_refused(redis_url: str) -> None:
             row = client.hget(key, "row")
             assert row is not None
             client.hset(key, "row", np.int64(7).tobytes() + row[8:])
-        with pytest.raises(GigashuffleError, match="dummy row .* fails its HMAC check"):
+        with pytest.raises(GigashuffleError, match=r"dummy row .* fails its HMAC check"):
             loader.get_dummy_batch(timeout_s=DEADLINE_S)

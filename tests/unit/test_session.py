@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 from redis_servers import wait_until
 
-from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError
-from gigashuffle import dummy
+from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError, dummy
 from gigashuffle import session as session_mod
 from gigashuffle.keys import QueueKeys
 from gigashuffle.redisconn import Client, connect
