@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import dummy, embedded, pinning
+from . import dummy, embedded, pinning, progress
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
@@ -93,6 +93,9 @@ class MultiprocessShuffledDataloader:
             raise
         self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
         self._pass_open = False
+        # Filling progress is shown while this rank waits for its first batch, then never again.
+        self._progress: progress.FillProgress | None = None
+        self._first_batch_seen = False
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -120,7 +123,9 @@ class MultiprocessShuffledDataloader:
         self._pass_open = True
         while True:
             while not sup.ready and ("end", 0) not in sup.replies:
+                self._show_filling()
                 self._pump()
+            self._filled()
             if sup.ready:
                 yield self._deliver(*sup.ready.popleft())
             else:
@@ -148,6 +153,7 @@ class MultiprocessShuffledDataloader:
         next_warning = waited_since + _SLOW_WARNING_S
         self._placement.poll()
         while not sup.ready:
+            self._show_filling()
             self._pump()
             if time.monotonic() > next_warning:
                 # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
@@ -156,7 +162,29 @@ class MultiprocessShuffledDataloader:
                     self.config.queue_name, time.monotonic() - waited_since, self.stats(), self.config.min_full_slots,
                 )  # fmt: skip
                 next_warning += _SLOW_WARNING_S
+        self._filled()
         return self._deliver(*sup.ready.popleft())
+
+    def _show_filling(self) -> None:
+        if self._first_batch_seen:
+            return
+        if self._progress is None:
+            cfg = self.config
+            self._progress = progress.FillProgress(
+                f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
+                cfg.min_full_slots,
+                lambda: self.stats().full,
+                bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
+            )
+        self._progress.update()
+
+    def _filled(self) -> None:
+        if self._first_batch_seen:
+            return
+        self._first_batch_seen = True
+        if self._progress is not None:
+            self._progress.finish()
+            self._progress = None
 
     def _pump(self) -> None:
         """Wait a little for messages; with pinned rings, also release the ring slots whose copies are done."""
@@ -365,6 +393,9 @@ class MultiprocessShuffledDataloader:
 
     def close(self) -> None:
         """Stop every loader process and free every resource; calling it again does nothing."""
+        if self._progress is not None:
+            self._progress.finish(reached=False)
+            self._progress = None
         self._finalizer()
 
     def __enter__(self) -> MultiprocessShuffledDataloader:
