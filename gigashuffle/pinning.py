@@ -192,23 +192,25 @@ class TrackedPlacement(Placement):
         if self._closed:
             return
         self._closed = True
+        # Errors are logged, not raised: this runs in the loader's finalizer too, possibly at interpreter exit when
+        # CUDA is already torn down, and the processes must still be stopped after it.
         try:
             self.releases.drain()
-        finally:
-            for unpin in self._unpin.values():
-                try:
-                    unpin()
-                except Exception as exc:  # at interpreter exit CUDA may already be torn down; nothing to do then
-                    log.warning("could not unregister a reader ring from CUDA: %s", exc)
-            self._unpin.clear()
+        except Exception as exc:
+            log.warning("could not wait for the copies out of the reader rings: %s", exc)
+        for unpin in self._unpin.values():
+            try:
+                unpin()
+            except Exception as exc:
+                log.warning("could not unregister a reader ring from CUDA: %s", exc)
+        self._unpin.clear()
 
 
 class CudaPlacement(TrackedPlacement):
     """Rings registered with ``cudaHostRegister``; batches copied to ``device`` with ``non_blocking=True``."""
 
-    def __init__(self, device: torch.device | None, pin_device: torch.device) -> None:
+    def __init__(self, device: torch.device | None) -> None:
         super().__init__(device)
-        self.pin_device = pin_device
 
     def pin(self, ring: BatchRing) -> Callable[[], None]:
         anchor = ring.memory.view(0, ring.nbytes)  # keeps the mapping alive for as long as it is registered
@@ -233,7 +235,9 @@ class CudaPlacement(TrackedPlacement):
 
     def new_event(self) -> Event:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device or self.pin_device))
+        # pin_memory alone: the caller copies on the current stream of whatever device is current when it drops the
+        # batch, which need not be the device that was current when the loader was built.
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
 
@@ -280,7 +284,7 @@ def placement(config: DataloaderConfig) -> Placement:
             "pin_memory", True, "set pin_memory=False (batches stay in shared CPU memory) or run on a GPU machine"
         )
     if device is not None and device.type == "cuda":
-        return CudaPlacement(device, device)
+        return CudaPlacement(device)
     if config.pin_memory:
-        return CudaPlacement(None, torch.device("cuda", torch.cuda.current_device()))
+        return CudaPlacement(None)
     return Placement()

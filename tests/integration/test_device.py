@@ -129,3 +129,33 @@ def test_ring_slots_go_back_only_after_the_copy_and_iteration_never_stalls(
     assert fake.pending == 0 and fake.unpinned == 1, "close waits for every copy, then unregisters the ring"
     assert fake.early == 0
     assert fake.released == fake.tickets
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (not run on CPU machines)")
+
+
+@needs_cuda
+def test_on_a_gpu_batches_arrive_on_the_device_from_pinned_rings(redis_url: str) -> None:
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, device="cuda:0")) as loader:
+        dummy = loader.get_dummy_batch()
+        assert all(t.device == torch.device("cuda", 0) for t in dummy[0].values())
+        seen: set[int] = set()
+        it = iter(loader)
+        for _ in range(40):  # 20 times the ring's depth: every slot is reused while copies may be in flight
+            batch = take(it, 1)[0]
+            assert all(t.device == torch.device("cuda", 0) for t in batch[0].values())
+            ids = check_unique_batch([{k: t.cpu() for k, t in batch[0].items()}], 4, 64)
+            assert not seen.intersection(ids), "a row was delivered twice"
+            seen.update(ids)
+
+
+@needs_cuda
+def test_on_a_gpu_pin_memory_hands_out_pinned_views(redis_url: str) -> None:
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, pin_memory=True)) as loader:
+        it = iter(loader)
+        for _ in range(20):
+            batch = take(it, 1)[0]
+            assert batch[0]["x"].is_pinned(), "a batch is a view of a ring registered with CUDA"
+            on_gpu = {k: t.to("cuda", non_blocking=True) for k, t in batch[0].items()}
+            del batch  # the slot goes back only after the copies above finished
+            check_unique_batch([{k: t.cpu() for k, t in on_gpu.items()}], 4, 64)
