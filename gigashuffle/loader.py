@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -173,7 +174,7 @@ class MultiprocessShuffledDataloader:
             self._progress = progress.FillProgress(
                 f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
                 cfg.min_full_slots,
-                lambda: self.stats().full,
+                functools.partial(_full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
                 bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
             )
         self._progress.update()
@@ -229,8 +230,8 @@ class MultiprocessShuffledDataloader:
         for warm-up before the buffer is mixed; it waits for that writer's first chunk (NOTE [ Dummy row ]).
 
         It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1. It is on
-        ``DataloaderConfig.device`` when one is set. With
-        ``timeout_s``, a ``GigashuffleError`` is raised if the row has not come within that many seconds.
+        ``DataloaderConfig.device`` when one is set. With ``timeout_s``, a ``GigashuffleError`` is raised if the
+        row has not come within that many seconds.
         """
         self._check_open()
         store = self._sup.session.store
@@ -282,10 +283,7 @@ class MultiprocessShuffledDataloader:
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
         self._check_open()
-        _gen, full, empty, _procs = self._sup.session.store.stats()
-        if full + empty == 0 and "slots" not in self._sup.session.store.meta():
-            return ShuffleBufferStats(0, 0, 0)
-        return ShuffleBufferStats(full, empty, self.config.shuffle_size - full - empty)
+        return _buffer_stats(self._sup)
 
     def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
         """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.
@@ -403,6 +401,18 @@ class MultiprocessShuffledDataloader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
+    _gen, full, empty, _procs = sup.session.store.stats()
+    if full + empty == 0 and "slots" not in sup.session.store.meta():
+        return ShuffleBufferStats(0, 0, 0)
+    return ShuffleBufferStats(full, empty, sup.config.shuffle_size - full - empty)
+
+
+def _full_slots(sup: Supervisor) -> int:
+    sup.raise_if_failed()
+    return _buffer_stats(sup).full
 
 
 def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
