@@ -7,9 +7,10 @@ misconfigured job fails at construction instead of hanging in a child process la
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -21,8 +22,34 @@ SEED_LIMIT = 2**63
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
 
+# The rank fields and the variables torchrun (and torch.distributed's other launchers) sets for them, with the
+# value a process started by hand has.
+RANK_ENV: tuple[tuple[str, str, int], ...] = (
+    ("local_rank", "LOCAL_RANK", 0),
+    ("global_rank", "RANK", 0),
+    ("local_world_size", "LOCAL_WORLD_SIZE", 1),
+    ("global_world_size", "WORLD_SIZE", 1),
+)
+
+
 def _fail(field: str, value: object, fix: str) -> ValueError:
     return ValueError(f"DataloaderConfig.{field}={value!r} is invalid: {fix}")
+
+
+def _env_int(variable: str, field: str, least: int) -> int | None:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = least - 1  # reported below with the raw text
+    if value < least:
+        raise ValueError(
+            f"environment variable {variable}={raw!r} (for DataloaderConfig.{field}) is invalid: it must be an int "
+            f">= {least}, as torchrun sets it; unset it, fix the launcher, or pass {field}= to from_env explicitly"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +89,30 @@ class DataloaderConfig:
     seed: int | None = None
     pin_memory: bool = False
     device: str | torch.device | None = None
+
+    @classmethod
+    def from_env(cls, **fields: Any) -> DataloaderConfig:
+        """A config whose rank fields come from torchrun's environment, for fields not given explicitly.
+
+        Reads ``LOCAL_RANK``, ``RANK``, ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``; a variable that is not set gives
+        the single-process value (ranks 0, world sizes 1), so the same script also runs without torchrun. A value
+        that is not a non-negative int (a positive one for the world sizes) raises ``ValueError`` naming the
+        variable.
+        """
+        from_env: dict[str, Any] = {}
+        for field, variable, default in RANK_ENV:
+            if field in fields:
+                continue
+            value = _env_int(variable, field, least=1 if field.endswith("world_size") else 0)
+            from_env[field] = default if value is None else value
+        try:
+            return cls(**fields, **from_env)
+        except ValueError as exc:
+            # The rank checks name the field; say where its value came from, since the caller never wrote it.
+            seen = ", ".join(f"{v}={os.environ[v]!r}" for f, v, _ in RANK_ENV if f in from_env and v in os.environ)
+            if not seen:
+                raise
+            raise ValueError(f"{exc} (from_env read {seen})") from exc
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -25,6 +25,7 @@ import torch
 
 from . import quality
 from .baselines import copy_floor, dataloader_baseline, timed_batches
+from .cpu import loader_meter, own_meter
 from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,13 @@ def measure_loader(workload: Workload, seconds: float, redis_url: str | None = N
         threshold = math.ceil(MIN_MIXING * workload.shuffle_size) - workload.bs
         warm_batches, warm_s, mixed = _warm_up(step, lambda: int(loader.stats().full), threshold, WARMUP_CAP_S)
         client = loader.redis_client()
+        meter = loader_meter(loader.child_pids(), client)
         calls_before = redis_command_calls(client)
+        meter.start()
         rate = timed_batches(step, seconds, workload.row_bytes)
-        # The INFO that took calls_before shows up in the second snapshot: take it off.
-        redis_calls = redis_command_calls(client) - calls_before - 1
+        meter.stop()
+        # The INFOs of the meter and of calls_before show up in the second snapshot: take them off.
+        redis_calls = redis_command_calls(client) - calls_before - 3
         children = child_memory(loader.child_pids())
     return {
         **rate.to_dict(),
@@ -144,6 +148,7 @@ def measure_loader(workload: Workload, seconds: float, redis_url: str | None = N
         "mixed": mixed,
         "redis_calls": redis_calls,
         "redis_cmds_per_batch": redis_calls / rate.batches,
+        "cpu_us_per_row": meter.per_row_us(rate.samples),
         "children": children,
         "quality": quality.measure(ids, workload.shuffle_size, NUM_WRITERS).to_dict() if ids else None,
     }
@@ -187,7 +192,11 @@ def run_workload(
 
 
 def _measure_baselines(workload: Workload, seconds: float) -> Result:
-    floor = copy_floor(workload, seconds).to_dict()
+    meter = own_meter()
+    meter.start()
+    floor_rate = copy_floor(workload, seconds)
+    meter.stop()
+    floor = {**floor_rate.to_dict(), "cpu_us_per_row": meter.per_row_us(floor_rate.samples)}
     log.info("%s: copy floor %.0f samples/s", workload.name, floor["samples_per_s"])
     gc.collect()  # the floor's source tensor can be 600 MB: free it before the DataLoader forks
     run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS)
@@ -242,10 +251,16 @@ def _throughput_table(results: Sequence[Result]) -> str:
     return _table(["workload", "impl", "samples/s", "MB/s", "loader/floor", "loader/DataLoader"], rows)
 
 
+_CPU_GROUPS = ("writer", "reader", "trainer", "zygote", "redis", "all")
+
+
 def _loader_tables(results: Sequence[Result]) -> list[str]:
     loaders = [(res["workload"], res["loader"]) for res in results if "loader" in res]
     if not loaders:
         return []
+    floor_cpu = {
+        res["workload"]: res["copy_floor"]["cpu_us_per_row"].get("all") for res in results if "copy_floor" in res
+    }
     startup = [
         [
             name,
@@ -268,6 +283,16 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         for name, ld in loaders
         for child in ld["children"]
     ]
+    cpu = [
+        [
+            name,
+            "",
+            *(_num(ld["cpu_us_per_row"].get(group), 2) for group in _CPU_GROUPS),
+            _num(floor_cpu.get(name), 3),
+            _times(_ratio(ld["cpu_us_per_row"].get("all", 0.0), floor_cpu[name]) if floor_cpu.get(name) else None),
+        ]
+        for name, ld in loaders
+    ]
     redis = [
         [
             name,
@@ -284,6 +309,8 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         + _table(["workload", "", "loader", "import torch", "ratio"], startup),
         "loader children after the timed window (MiB)\n"
         + _table(["workload", "role", "pid", "USS", "PSS", "shared"], memory),
+        "CPU-us per delivered row by process over the timed window (copy floor: one process gathering rows)\n"
+        + _table(["workload", "", *_CPU_GROUPS, "floor", "all/floor"], cpu),
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
     ]

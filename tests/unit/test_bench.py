@@ -174,6 +174,7 @@ def _fake_result() -> runner.Result:
         "mixed": True,
         "redis_calls": 6,
         "redis_cmds_per_batch": 3.0,
+        "cpu_us_per_row": {"writer": 1.0, "reader": 2.0, "trainer": 0.5, "zygote": 0.0, "redis": 0.25, "all": 3.75},
         "quality": qual,
         "children": [{"role": "writer", "pid": 1, "uss": 1 << 20, "pss": 1 << 20, "shared": 1 << 21}],
     }
@@ -185,7 +186,7 @@ def _fake_result() -> runner.Result:
         "num_readers": 1,
         "min_mixing": 0.5,
         "loader": loader,
-        "copy_floor": rate,
+        "copy_floor": {**rate, "cpu_us_per_row": {"trainer": 0.5, "all": 0.5}},
         "dataloader": {**rate, "quality": qual},
         "loader_vs_floor": 1.0,
         "loader_vs_dataloader": 1.0,
@@ -202,8 +203,11 @@ def test_format_table_has_every_section() -> None:
         "USS",
         "cmds/batch",
         "quality",
+        "CPU-us per delivered row",
     ):
         assert needle in table
+    cpu_row = next(line for line in table.splitlines() if line.startswith("small") and "7.50x" in line)
+    assert cpu_row.split()[1:7] == ["1.00", "2.00", "0.50", "0.00", "0.25", "3.75"], cpu_row  # all/floor = 3.75/0.5
 
 
 def test_main_json_without_the_loader(capsys: pytest.CaptureFixture[str]) -> None:
