@@ -151,7 +151,9 @@ class TrackedPlacement(Placement):
         self.device = device
         self.moves = device is not None
         self.releases = ReleaseQueue(self.new_event)
-        self._unpin: dict[int, Callable[[], None]] = {}
+        # id(ring.memory) -> (ring.memory, undo): holding the memory object keeps its id from being reused by the
+        # ring of a respawned reader, which must be pinned too.
+        self._unpin: dict[int, tuple[object, Callable[[], None]]] = {}
         self._closed = False
 
     # What a machine provides: pinning a ring (returning how to undo it), moving a batch, and an event.
@@ -169,9 +171,9 @@ class TrackedPlacement(Placement):
         return self.releases.pending
 
     def deliver(self, ring: BatchRing, k: int, release: Callable[[], None]) -> Batch:
-        key = id(ring.memory)  # the undo function keeps the mapping alive, so the id is not reused meanwhile
+        key = id(ring.memory)
         if key not in self._unpin:
-            self._unpin[key] = self.pin(ring)
+            self._unpin[key] = (ring.memory, self.pin(ring))
         ticket = self.releases.ticket(release)
         views = ring.batch(k, ticket.dropped)
         if self.device is None:
@@ -198,7 +200,7 @@ class TrackedPlacement(Placement):
             self.releases.drain()
         except Exception as exc:
             log.warning("could not wait for the copies out of the reader rings: %s", exc)
-        for unpin in self._unpin.values():
+        for _memory, unpin in self._unpin.values():
             try:
                 unpin()
             except Exception as exc:
@@ -208,9 +210,6 @@ class TrackedPlacement(Placement):
 
 class CudaPlacement(TrackedPlacement):
     """Rings registered with ``cudaHostRegister``; batches copied to ``device`` with ``non_blocking=True``."""
-
-    def __init__(self, device: torch.device | None) -> None:
-        super().__init__(device)
 
     def pin(self, ring: BatchRing) -> Callable[[], None]:
         anchor = ring.memory.view(0, ring.nbytes)  # keeps the mapping alive for as long as it is registered

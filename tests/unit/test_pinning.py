@@ -208,3 +208,18 @@ def test_without_cuda_pinning_or_a_cuda_device_is_refused_before_anything_starts
     # The loader checks first: no Redis is needed (none is given here) and no process is started.
     with pytest.raises(ValueError, match=named):
         MultiprocessShuffledDataloader([], cfg)
+
+
+def test_the_ring_of_a_respawned_reader_is_pinned_too() -> None:
+    events = Events(queries=0)
+    gpu = FakeGpu(True, events)
+    old = _ring()
+    gpu.deliver(old, 0, lambda: None)
+    old.close()
+    del old  # the reader died: its ring object goes; the placement still holds the memory until close
+    new = _ring()
+    gpu.deliver(new, 0, lambda: None)
+    assert gpu.pinned == [new.nbytes, new.nbytes], "each ring is registered"
+    gpu.close()
+    assert len(gpu.unpinned) == 2
+    new.close()
