@@ -10,10 +10,14 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
@@ -56,6 +60,9 @@ class DataloaderConfig:
     buffer; ``queue_name`` names the buffer and must be unique among the loaders that share a Redis server.
     ``num_readers=0`` makes a rank that only feeds its node's buffer (it yields no batches). ``seed`` is the
     base of every writer's seed (``seed + worker id``, as torch's DataLoader does); None draws one per job.
+    ``pin_memory=True`` registers this rank's reader rings with CUDA so that host-to-device copies run at pinned
+    speed; ``device="cuda:N"`` (or a ``torch.device``) also returns every batch already on that device (the rings are
+    then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     """
 
     bs: int
@@ -80,6 +87,8 @@ class DataloaderConfig:
     node_id: str | None = None
     redis_timeout_s: float = 30.0
     seed: int | None = None
+    pin_memory: bool = False
+    device: str | torch.device | None = None
 
     @classmethod
     def from_env(cls, **fields: Any) -> DataloaderConfig:
@@ -112,6 +121,7 @@ class DataloaderConfig:
         self._check_modes()
         self._check_capacity()
         self._check_redis()
+        self._check_device()
 
     @property
     def node(self) -> str:
@@ -237,6 +247,20 @@ class DataloaderConfig:
             raise _fail("redis_port", self.redis_port, "use a TCP port in 1..65535")
         if self.redis_db is not None and self.redis_db < 0:
             raise _fail("redis_db", self.redis_db, "use a database number >= 0")
+
+    def _check_device(self) -> None:
+        # Only the spelling is checked here (no torch import: the CLI builds configs); whether this machine has the
+        # device is checked when the loader is built (gigashuffle.pinning).
+        value = self.device
+        if value is None:
+            return
+        kind = type(value)
+        if kind.__module__ == "torch" and kind.__name__ == "device":
+            value = str(value)
+        elif not isinstance(value, str):
+            raise TypeError(f"DataloaderConfig.device={self.device!r} must be a str, a torch.device or None")
+        if not _DEVICE_RE.match(value):
+            raise _fail("device", self.device, "use 'cpu', 'cuda' or 'cuda:N' (or None to keep batches where they are)")
 
     def legacy_redis_url(self) -> str | None:
         """The seed's redis_host/redis_port/redis_db spelled as a URL, when any of them was given."""

@@ -41,6 +41,11 @@ class QueueKeys:
         return self._key("meta")
 
     @property
+    def dummy(self) -> str:
+        """Hash: the dummy batch's row (writer 0 of the node's first rank), signed apart from ``meta``."""
+        return self._key("dummy")
+
+    @property
     def empty(self) -> str:
         return self._key("empty")
 
@@ -87,6 +92,7 @@ class QueueKeys:
             self.evict_pending,
             self.procs,
             self.counters,
+            self.dummy,
         ]
 
     @staticmethod

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from redis_servers import wait_until
 
-from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError
+from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError, dummy
 from gigashuffle import session as session_mod
 from gigashuffle.keys import QueueKeys
 from gigashuffle.redisconn import Client, connect
@@ -233,6 +233,7 @@ def test_last_leave_deletes_every_key_of_the_queue(
     assert len(written) == 2
     batch = store.reader_cycle("r0", [], 2, 2, False)
     assert store.evict(batch[:1]) == 1
+    assert dummy.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.lease("w0"), NODE0.lease("r0"), NODE0.rank(0), NODE0.rank(1)}
     assert ours == expected
