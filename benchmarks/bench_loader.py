@@ -1,125 +1,165 @@
-"""Loader throughput, start-up, memory and Redis traffic against the copy floor and a DataLoader.
+"""The whole loader, end to end, on a small workload: start-up, read time, CPU, Redis traffic and memory.
 
-Every workload is measured once, in ``setup_cache`` (module level, so all classes share one run), by
-:func:`gigashuffle.bench.runner.run_workload`; the ``track_*`` benchmarks only read figures from it.
-``GIGASHUFFLE_ASV_SECONDS`` sets the timed seconds per implementation (default 3, which keeps a full
-``asv run`` at about a minute per workload on 2 cores).
+Every figure falls when the loader gets better (asv assumes lower is better): seconds to the dummy batch,
+seconds per 1,000 rows read, CPU microseconds per row over all of the loader's processes, Redis commands per
+1,000 rows, and the peak resident memory of its largest child. One writer and one reader on the embedded Redis,
+32x32 RGB rows, so a run stays in seconds on a 2-core machine. Each benchmark measures only its own figure; those
+that read from a running loader share one per benchmark process, started (and mixed) in ``setup`` before any
+sample is taken.
 """
 
 from __future__ import annotations
 
-import math
+import atexit
+import itertools
 import os
-from typing import Any
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
 
-from gigashuffle.bench.runner import run_workload
-from gigashuffle.bench.workloads import WORKLOADS
+import psutil
+import torch
 
-Cache = dict[str, dict[str, Any]]
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.bench.runner import redis_command_calls
+from gigashuffle.bench.workloads import FieldSpec, RepeatingChunkDataset, Workload
 
-SECONDS = float(os.environ.get("GIGASHUFFLE_ASV_SECONDS", "3"))
-WORKLOAD_NAMES = list(WORKLOADS)
-IMPLS = ["loader", "copy_floor", "dataloader"]
-NAN = math.nan
+SMALL = Workload(
+    "small",
+    (FieldSpec("x", torch.uint8, (3, 32, 32)), FieldSpec("y", torch.int64, ())),
+    chunk_rows=64,
+    bs=50,  # 20 batches are exactly 1,000 rows
+    shuffle_size=2_048,
+)
+ROWS = 1_000
+CPU_ROWS = 20_000  # enough rows that the CPU-time clock's resolution (10 ms) is under 1% of what is measured
 
-
-def setup_cache() -> Cache:
-    return {name: run_workload(name, seconds=SECONDS) for name in WORKLOAD_NAMES}
-
-
-setup_cache.timeout = 1200  # type: ignore[attr-defined]
-
-
-def _figure(value: Any) -> float:
-    return NAN if value is None else float(value)
-
-
-class SamplesPerSecond:
-    params = (WORKLOAD_NAMES, IMPLS)
-    param_names = ("workload", "impl")
-    unit = "samples/s"
-
-    def track_rate(self, cache: Cache, workload: str, impl: str) -> float:
-        return _figure(cache[workload][impl]["samples_per_s"])
+Batch = list[dict[str, torch.Tensor]]
 
 
-class MegabytesPerSecond:
-    params = (WORKLOAD_NAMES, IMPLS)
-    param_names = ("workload", "impl")
-    unit = "MB/s"
+def _config() -> DataloaderConfig:
+    return DataloaderConfig(
+        bs=SMALL.bs,
+        shuffle_size=SMALL.shuffle_size,
+        queue_name=f"asv-{os.getpid()}-{secrets.token_hex(4)}",
+        num_writers=1,
+        num_readers=1,
+        min_mixing=0.5,
+    )
 
-    def track_rate(self, cache: Cache, workload: str, impl: str) -> float:
-        return _figure(cache[workload][impl]["mb_per_s"])
+
+def _start() -> MultiprocessShuffledDataloader:
+    return MultiprocessShuffledDataloader(RepeatingChunkDataset(SMALL), _config())
 
 
-class LoaderRatios:
-    """The loader's rate over each baseline's, and its start-up over ``python -c 'import torch'``."""
+class _Running:
+    """One mixed loader per benchmark process, for the benchmarks that measure a loader at work."""
 
-    params = (WORKLOAD_NAMES,)
-    param_names = ("workload",)
-    unit = "ratio"
+    def __init__(self) -> None:
+        self.loader = _start()
+        atexit.register(self.loader.close)
+        self.batches: Iterator[Batch] = iter(self.loader)
+        self.read(ROWS)  # the first batch waits for min_mixing: past this, reads are steady
 
-    def track_vs_copy_floor(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload].get("loader_vs_floor"))
+    def read(self, rows: int) -> None:
+        for _ in range(rows // SMALL.bs):
+            next(self.batches)  # dropped at once, so its ring slot is free again, as after a training step
 
-    def track_vs_dataloader(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload].get("loader_vs_dataloader"))
 
-    def track_startup_vs_import_torch(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload]["loader"]["startup_vs_import_torch"])
+_RUNNING: list[_Running] = []
+
+
+def _running() -> _Running:
+    if not _RUNNING:
+        _RUNNING.append(_Running())
+    return _RUNNING[0]
+
+
+def _loader_processes() -> list[psutil.Process]:
+    """This process and every process under it: zygote, writers, readers and the embedded Redis server."""
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    """``VmHWM``: the most resident memory the process ever had (psutil reports only the current figure)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM line")
 
 
 class StartUp:
-    """Seconds from constructing the loader to its dummy batch, and of a bare ``import torch``."""
+    """Seconds from constructing a loader to its dummy batch: the zygote, the children, the buffer, Redis."""
 
-    params = (WORKLOAD_NAMES,)
-    param_names = ("workload",)
-    unit = "seconds"
+    repeat = (3, 8, 60.0)
+    number = 1
+    warmup_time = 0.0  # a warm-up would be another start-up: each sample is already a cold one
+    timeout = 600
 
-    def track_loader_startup(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload]["loader"]["startup_s"])
+    def setup(self) -> None:
+        self.loader: MultiprocessShuffledDataloader | None = None
 
-    def track_import_torch(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload]["loader"]["import_torch_s"])
+    def time_startup_to_dummy_batch(self) -> None:
+        self.loader = _start()
+        self.loader.get_dummy_batch()
 
-
-class ChildMemory:
-    """USS and shared bytes of the loader's child processes, after the timed window."""
-
-    params = (WORKLOAD_NAMES,)
-    param_names = ("workload",)
-    unit = "bytes"
-
-    def _children(self, cache: Cache, workload: str) -> list[dict[str, Any]]:
-        children: list[dict[str, Any]] = cache[workload]["loader"]["children"]
-        return children
-
-    def track_total_uss(self, cache: Cache, workload: str) -> float:
-        return float(sum(child["uss"] for child in self._children(cache, workload)))
-
-    def track_max_uss(self, cache: Cache, workload: str) -> float:
-        return float(max((child["uss"] for child in self._children(cache, workload)), default=NAN))
-
-    def track_max_shared(self, cache: Cache, workload: str) -> float:
-        return float(max((child["shared"] for child in self._children(cache, workload)), default=NAN))
+    def teardown(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
 
-class RedisCommands:
-    params = (WORKLOAD_NAMES,)
-    param_names = ("workload",)
-    unit = "commands/batch"
+class Read:
+    """Seconds per 1,000 rows taken from a running, mixed loader."""
 
-    def track_commands_per_batch(self, cache: Cache, workload: str) -> float:
-        return _figure(cache[workload]["loader"]["redis_cmds_per_batch"])
+    repeat = (10, 60, 20.0)
+    warmup_time = 0.5
+    timeout = 600
+
+    def setup(self) -> None:
+        self.running = _running()
+
+    def time_read_1000_rows(self) -> None:
+        self.running.read(ROWS)
 
 
-class ShuffleQuality:
-    """Mean displacement over that of an ideal buffer of shuffle_size (1.0 = as mixed as ideal)."""
+class Cost:
+    """What a row costs a running loader: CPU time over all of its processes, and the memory of its children."""
 
-    params = (WORKLOAD_NAMES, ["loader", "dataloader"])
-    param_names = ("workload", "impl")
-    unit = "ratio"
+    timeout = 600
 
-    def track_displacement_ratio(self, cache: Cache, workload: str, impl: str) -> float:
-        quality = cache[workload][impl].get("quality")
-        return NAN if not quality else _figure(quality["displacement_ratio"])
+    def setup(self) -> None:
+        self.running = _running()
+
+    def track_cpu_us_per_row(self) -> float:
+        processes = _loader_processes()
+        before = _cpu_seconds(processes)
+        self.running.read(CPU_ROWS)
+        return round((_cpu_seconds(processes) - before) * 1e6 / CPU_ROWS, 3)
+
+    track_cpu_us_per_row.unit = "us/row"  # type: ignore[attr-defined]
+
+    def track_peak_rss_largest_child(self) -> float:
+        self.running.read(ROWS)
+        children = itertools.chain.from_iterable(self.running.loader.child_pids().values())
+        return float(max(_peak_rss_bytes(pid) for pid in children))
+
+    track_peak_rss_largest_child.unit = "bytes"  # type: ignore[attr-defined]
+
+    def track_redis_commands_per_1000_rows(self) -> float:
+        # Every command is a round trip for some process of the node: small rows are bound by them.
+        client = self.running.loader.redis_client()
+        before = redis_command_calls(client)
+        self.running.read(CPU_ROWS)
+        # The INFO that took `before` is counted in the second reading: take it off.
+        return round((redis_command_calls(client) - before - 1) * ROWS / CPU_ROWS, 2)
+
+    track_redis_commands_per_1000_rows.unit = "commands"  # type: ignore[attr-defined]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from datasets import Dataset
 
@@ -53,16 +52,12 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None)
     args = parser.parse_args()
 
-    config = DataloaderConfig(
+    config = DataloaderConfig.from_env(  # the rank fields from torchrun's LOCAL_RANK, RANK, ... variables
         bs=args.bs,
         shuffle_size=args.shuffle_size,
         queue_name=args.queue,
         num_writers=args.num_writers,
         num_readers=1,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        global_rank=int(os.environ.get("RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        global_world_size=int(os.environ.get("WORLD_SIZE", "1")),
         redis_url=args.redis_url,
     )
     dataset = Chunked(build_source(args.rows, args.shards), rows=args.chunk_rows, fields=("id", "x", "label"))

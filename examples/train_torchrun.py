@@ -114,16 +114,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    config = DataloaderConfig(
+    # The rank fields come from torchrun's LOCAL_RANK, RANK, LOCAL_WORLD_SIZE and WORLD_SIZE.
+    config = DataloaderConfig.from_env(
         bs=args.bs,
         shuffle_size=args.shuffle_size,
         queue_name=args.queue,
         num_writers=1,
         num_readers=1,
-        local_rank=int(os.environ["LOCAL_RANK"]),
-        global_rank=rank,
-        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
-        global_world_size=world,
         redis_url=args.redis_url,
     )
     torch.manual_seed(1234)  # the same initial weights on every rank (DDP also broadcasts rank 0's)

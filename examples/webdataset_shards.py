@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +68,12 @@ def main() -> None:
     if not args.urls:
         parser.error("give --urls (or --write-shards DIR to make some)")
 
-    config = DataloaderConfig(
+    config = DataloaderConfig.from_env(  # the rank fields from torchrun's LOCAL_RANK, RANK, ... variables
         bs=args.bs,
         shuffle_size=args.shuffle_size,
         queue_name=args.queue,
         num_writers=args.num_writers,
         num_readers=1,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        global_rank=int(os.environ.get("RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        global_world_size=int(os.environ.get("WORLD_SIZE", "1")),
         redis_url=args.redis_url,
     )
     source = wds.WebDataset(args.urls, nodesplitter=None, shardshuffle=False, empty_check=False).decode()

@@ -1,8 +1,11 @@
 """gigashuffle: one node-wide shared-memory shuffle buffer for PyTorch training, coordinated through Redis."""
 
-import numpy as np
-import torch
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
 from .config import DataloaderConfig
 from .errors import (
     AttachError,
@@ -15,14 +18,45 @@ from .errors import (
     TamperedMetadataError,
     WorkerDied,
 )
-from .loader import MultiprocessShuffledDataloader
-from .schema import INDEX_KEY
-from .slottable import ShuffleBufferStats
 
-Buffer = list[dict[str, torch.Tensor | np.ndarray]]
-"""What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension."""
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
-__version__ = "0.1.0"
+    from .loader import MultiprocessShuffledDataloader
+    from .schema import INDEX_KEY
+    from .slottable import ShuffleBufferStats
+
+    # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
+    Buffer = list[dict[str, torch.Tensor | np.ndarray]]
+
+# Importing the package stays free of torch, numpy and redis (config and errors need none of them), so that
+# `gigashuffle --help` and tools that only read a config answer at once; these names import on first use.
+_LAZY = {
+    "MultiprocessShuffledDataloader": ".loader",
+    "INDEX_KEY": ".schema",
+    "ShuffleBufferStats": ".slottable",
+}
+
+
+def __getattr__(name: str) -> Any:
+    value: Any
+    if name == "Buffer":
+        import numpy as np
+        import torch
+
+        value = list[dict[str, torch.Tensor | np.ndarray]]
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "INDEX_KEY",

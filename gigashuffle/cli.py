@@ -1,123 +1,404 @@
-"""The ``gigashuffle`` command: ``demo``, ``stats`` and ``bench``."""
+"""The ``gigashuffle`` command: ``demo``, ``stats`` and ``bench``.
+
+Only the standard library is imported at module level: ``gigashuffle --help`` must answer at once, and torch
+alone takes seconds to import. Each subcommand imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
-from .control import FLUSH_PERIOD_S, ControlPlane, text
-from .keys import META_PATTERN, QueueKeys
-from .redisconn import Client, connect
-from .runtime import runtime_dir
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from .control import ControlPlane
+    from .redisconn import Client
+
+COLUMNS = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "written_per_s",
+           "read_per_s", "generation"]  # fmt: skip
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: what top does between refreshes
+DEFAULT_WATCH_S = 2.0
+_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class CliError(Exception):
+    """A failure the user can act on, reported as one line on stderr and exit code 1, without a traceback."""
+
+
+# ------------------------------------------------------------------------------------------------ stats
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The state of one queue on one node at one moment, with the raw counters rates are computed from."""
+
+    row: dict[str, Any]
+    written: int
+    read: int
+    at: float
 
 
 def _scan(client: Client, pattern: str) -> list[str]:
+    from .control import text
+
     # A cluster client's scan_iter visits every primary, so queues on every shard are listed.
     return sorted({text(k) for k in client.scan_iter(match=pattern, count=1000)})
 
 
-def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
-    """One row per queue and node found on the server; rates are measured over ``interval_s``, or longer until
-    every queue's written and read counters moved (processes flush them every ``FLUSH_PERIOD_S``), at most
-    ``2.5 * FLUSH_PERIOD_S`` (an idle queue's counters never move)."""
-    stores = [
+def _stores(client: Client) -> list[ControlPlane]:
+    from .control import ControlPlane
+    from .keys import META_PATTERN, QueueKeys
+
+    return [
         ControlPlane(client, QueueKeys(*parsed))
         for meta_key in _scan(client, META_PATTERN)
         if (parsed := QueueKeys.parse_tag(meta_key)) is not None
     ]
-    before = [store.counters() for store in stores]
-    started = time.monotonic()
-    if stores and interval_s > 0:
-        time.sleep(interval_s)
-        longest = started + max(interval_s, 2.5 * FLUSH_PERIOD_S)
 
-        def some_unchanged() -> bool:  # written or read of some queue not flushed since ``before``
-            now = [store.counters() for store in stores]
-            return any(n[0] == b[0] or n[1] == b[1] for n, b in zip(now, before, strict=True))
 
-        while time.monotonic() < longest and some_unchanged():
-            time.sleep(0.05)  # an idle queue keeps its counters: the wait ends at ``longest`` then
-    elapsed = max(time.monotonic() - started, 1e-9)
-    rows = []
-    for store, (written_before, read_before) in zip(stores, before, strict=True):
+def sample(client: Client, server: str = "") -> list[Sample]:
+    """One sample per queue and node found on the server (rates left empty: see :func:`with_rates`)."""
+    from .control import text
+
+    samples = []
+    for store in _stores(client):
         keys = store.keys
         written, read = store.counters()
+        at = time.monotonic()
         stats = store.stats()  # slot counts as the node's processes last flushed them (about once a second)
         size = int(store.meta().get("slots", b"0"))
         ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
-        rows.append(
-            {
-                "queue": keys.queue,
-                "node": keys.node,
-                "size": size,
-                "full": stats.full,
-                "empty": stats.empty,
-                "in_flight": stats.in_flight,
-                "ranks": ranks,
-                "processes": stats.processes,
-                "written_per_s": round((written - written_before) / elapsed) if interval_s > 0 else None,
-                "read_per_s": round((read - read_before) / elapsed) if interval_s > 0 else None,
-                "generation": text(stats.generation) if stats.generation else "",
-            }
-        )
+        row = {
+            "queue": keys.queue,
+            "node": keys.node,
+            "size": size,
+            "full": stats.full,
+            "empty": stats.empty,
+            "in_flight": stats.in_flight,
+            "ranks": ranks,
+            "processes": stats.processes,
+            "written_per_s": None,
+            "read_per_s": None,
+            "generation": text(stats.generation) if stats.generation else "",
+            "server": server,
+        }
+        samples.append(Sample(row, written, read, at))
+    return samples
+
+
+def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
+    """The rows of ``now``, with rows/s since the same queue's sample in ``before`` (None where it has none)."""
+    earlier = {(s.row["server"], s.row["queue"], s.row["node"]): s for s in before}
+    rows = []
+    for s in now:
+        row = dict(s.row)
+        prev = earlier.get((row["server"], row["queue"], row["node"]))
+        # A counter that went down belongs to a new session (Redis restarted or flushed): no rate across it.
+        if prev is not None and s.at > prev.at and s.written >= prev.written and s.read >= prev.read:
+            row["written_per_s"] = round((s.written - prev.written) / (s.at - prev.at))
+            row["read_per_s"] = round((s.read - prev.read) / (s.at - prev.at))
+        rows.append(row)
     return rows
 
 
-def _default_url() -> str:
+def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
+    """One row per queue and node found on the server; rates are measured over ``interval_s`` (0: none), or longer
+    until every queue's written and read counters moved: processes flush them every ``FLUSH_PERIOD_S``, so a
+    shorter window may see none. At most ``2.5 * FLUSH_PERIOD_S`` (an idle queue's counters never move)."""
+    from .control import FLUSH_PERIOD_S
+
+    before = sample(client)
+    if not before or interval_s <= 0:
+        return with_rates(before, [])
+    longest = time.monotonic() + max(interval_s, 2.5 * FLUSH_PERIOD_S)
+    time.sleep(interval_s)
+    now = sample(client)
+    old = {(s.row["queue"], s.row["node"]): s for s in before}
+
+    def moved(s: Sample) -> bool:
+        prev = old.get((s.row["queue"], s.row["node"]))
+        return prev is None or (s.written != prev.written and s.read != prev.read)
+
+    while time.monotonic() < longest and not all(moved(s) for s in now):
+        time.sleep(0.05)
+        now = sample(client)
+    return with_rates(now, before)
+
+
+def embedded_servers() -> list[str]:
+    """URLs of the embedded servers (one per node) that answer in this user's runtime directory."""
+    from .embedded import answers
+    from .runtime import runtime_dir
+
+    return [f"unix://{path}" for path in sorted(runtime_dir().glob("redis-*.sock")) if answers(path)]
+
+
+def _check_url(url: str, where: str) -> str:
+    if not url.startswith(_URL_SCHEMES):
+        raise CliError(f"{where} {url!r} is invalid: use redis://host:port/db, rediss://... or unix:///path/to.sock")
+    return url
+
+
+def _fixed_server(explicit: str | None) -> str | None:
+    """The one server named by --redis or $GIGASHUFFLE_REDIS_URL; None: list the embedded servers."""
+    if explicit:
+        return _check_url(explicit, "--redis")
     url = os.environ.get("GIGASHUFFLE_REDIS_URL")
-    if url:
-        return url
-    return f"unix://{runtime_dir() / 'redis-n0.sock'}"
+    return _check_url(url, "GIGASHUFFLE_REDIS_URL") if url else None
 
 
-def stats_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gigashuffle stats", description="List every queue on a Redis server.")
-    parser.add_argument("--redis-url", default=None, help="default: $GIGASHUFFLE_REDIS_URL or this node's embedded")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds to measure rows/s over (0: no rates)")
-    args = parser.parse_args(argv)
-    client = connect(args.redis_url or _default_url(), total_timeout_s=5.0)
-    try:
-        rows = queue_rows(client, args.interval)
-    finally:
-        client.close()
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    columns = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "written_per_s",
-               "read_per_s", "generation"]  # fmt: skip
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) if rows else len(c) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns))
-    for row in rows:
-        print("  ".join(str(row[c]).ljust(widths[c]) for c in columns))
+def _no_embedded_server() -> str:
+    from .runtime import runtime_dir
+
+    return f"no embedded gigashuffle server answers in {runtime_dir()} (no loader of this user runs on this machine)"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error of a chain (e.g. ``Connection refused``), on one line: our retry wrappers around it
+    add nothing a user can act on."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class _Servers:
+    """The servers to list, with one client each kept across refreshes; Redis failures become :class:`CliError`.
+
+    Without a fixed server, the embedded servers are found again at every refresh: they come and go with the
+    loaders of their node, and ``--watch`` should follow them as ``top`` follows processes.
+    """
+
+    def __init__(self, fixed: str | None, timeout_s: float) -> None:
+        self.fixed = fixed
+        self.timeout_s = timeout_s
+        self.urls: list[str] = []
+        self.clients: dict[str, Client] = {}
+
+    def refresh(self) -> None:
+        if self.fixed is not None:
+            self.urls = [self.fixed]
+            return
+        from .errors import GigashuffleError
+
+        try:
+            self.urls = embedded_servers()
+        except (GigashuffleError, OSError) as exc:
+            raise CliError(f"cannot read the runtime directory: {_root_cause(exc)}") from exc
+        for gone in set(self.clients) - set(self.urls):
+            self.clients.pop(gone).close()
+
+    def _guard(self, url: str, call: Callable[[], Any]) -> Any:
+        import redis
+
+        from .errors import GigashuffleError
+
+        try:
+            return call()
+        except (redis.RedisError, GigashuffleError, OSError) as exc:
+            raise CliError(
+                f"Redis at {url} failed: {_root_cause(exc)}; check that the server runs and that the URL is right "
+                f"(--redis URL), or allow it longer than {self.timeout_s:g} s with --timeout SECONDS"
+            ) from exc
+
+    def sample(self) -> list[Sample]:
+        from .redisconn import connect
+
+        samples = []
+        for url in list(self.urls):
+            try:
+                if url not in self.clients:
+                    connecting = functools.partial(connect, url, total_timeout_s=self.timeout_s)
+                    self.clients[url] = self._guard(url, connecting)
+                samples += self._guard(url, functools.partial(sample, self.clients[url], url))
+            except CliError:
+                if self.fixed is not None:
+                    raise
+                # An embedded server stops when the last loader of its node closes, maybe since refresh().
+                self.urls.remove(url)
+                client = self.clients.pop(url, None)
+                if client is not None:
+                    client.close()
+        return samples
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    widths = {c: max([len(c), *(len(cell(r[c])) for r in rows)]) for c in COLUMNS}
+    lines = ["  ".join(c.ljust(widths[c]) for c in COLUMNS).rstrip()]
+    lines += ["  ".join(cell(r[c]).ljust(widths[c]) for c in COLUMNS).rstrip() for r in rows]
     if not rows:
-        print("(no gigashuffle queues on this server)")
-    return 0
+        lines.append("(no gigashuffle queues on this server)")
+    return "\n".join(lines)
+
+
+def _show(rows: list[dict[str, Any]], urls: list[str], args: argparse.Namespace, out: TextIO, frame: int) -> None:
+    if args.json:
+        # One document per refresh; under --watch one compact line each (JSON Lines), so a pipe can parse it.
+        out.write(json.dumps(rows, separators=(",", ":")) + "\n" if args.watch else json.dumps(rows, indent=2) + "\n")
+    else:
+        if args.watch is not None:
+            if out.isatty():
+                out.write(_CLEAR)
+            elif frame:
+                out.write("\n")
+            stamp = time.strftime("%H:%M:%S")
+            where = ", ".join(urls) or _no_embedded_server()
+            out.write(f"gigashuffle stats  {stamp}  every {args.watch:g} s  {where}\n")
+        out.write(format_table(rows) + "\n")
+    out.flush()
+
+
+def stats_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--redis",
+        "--redis-url",
+        dest="redis",
+        metavar="URL",
+        default=None,
+        help="the server to list (default: $GIGASHUFFLE_REDIS_URL, else every node's embedded server on this machine)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON (under --watch: one line per refresh)")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds the first rows/s are measured over (0: no rates)"
+    )
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=DEFAULT_WATCH_S,
+        default=None,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C, like top",
+    )
+    parser.add_argument("--count", type=int, default=None, metavar="N", help="stop after N refreshes (with --watch)")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="how long Redis may not answer (default 5)"
+    )
+    return parser
+
+
+def _end_on_sigint() -> threading.Event:
+    """Ctrl-C ends a watch: an event the loop checks, set by our own handler.
+
+    Python's default handler only raises KeyboardInterrupt, which a library call may swallow (an exception in a
+    ``__del__`` or a finalizer is only printed) or which never comes when SIGINT was ignored by whoever started
+    us; then a watch would refresh forever. The handler is installed explicitly, and the loop checks the event.
+    """
+    interrupted = threading.Event()
+
+    def handle(_signum: int, _frame: Any) -> None:
+        interrupted.set()
+
+    signal.signal(signal.SIGINT, handle)
+    return interrupted
+
+
+def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    if args.watch is not None and not args.watch > 0:
+        raise CliError(f"--watch {args.watch:g} is invalid: use a positive number of seconds")
+    if args.count is not None and args.count < 1:
+        raise CliError(f"--count {args.count} is invalid: use 1 or more refreshes")
+    if not args.timeout > 0:
+        raise CliError(f"--timeout {args.timeout:g} is invalid: use a positive number of seconds")
+    watching = args.watch is not None
+    servers = _Servers(_fixed_server(args.redis), args.timeout)
+    interrupted = _end_on_sigint() if watching else threading.Event()
+    try:
+        servers.refresh()
+        if not servers.urls and not watching:
+            raise CliError(
+                f"{_no_embedded_server()}; pass --redis URL for another server, or set GIGASHUFFLE_REDIS_URL"
+            )
+        previous: list[Sample] = []
+        if args.interval > 0:
+            previous = servers.sample()
+            if previous:
+                time.sleep(args.interval)
+        count = args.count if watching else 1
+        frame = 0
+        while True:
+            if frame:
+                servers.refresh()
+            current = servers.sample()
+            _show(with_rates(current, previous), servers.urls, args, out, frame)
+            frame += 1
+            if (count is not None and frame >= count) or interrupted.is_set():
+                return 0
+            previous = current
+            if interrupted.wait(args.watch):
+                return 0
+    except KeyboardInterrupt:
+        return 0 if watching else 130  # Ctrl-C is how a watch ends; anywhere else it interrupts
+    finally:
+        servers.close()
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigashuffle",
+        description="A node-wide shared-memory shuffle buffer for PyTorch training, coordinated through Redis.",
+        epilog="`gigashuffle <command> --help` shows the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"gigashuffle {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="<command>")
+    # demo and bench parse their own options (and answer their own --help), in modules that import torch.
+    commands.add_parser(
+        "demo", add_help=False, help="run a real loader on the embedded Redis for a few seconds and report"
+    )
+    commands.add_parser(
+        "bench", add_help=False, help="loader vs copy floor vs torch DataLoader; --json for machine-readable output"
+    )
+    stats_command = commands.add_parser(
+        "stats",
+        help="list every queue and node: slot counts, ranks, processes, rows/s (--watch, --json)",
+        description="List every gigashuffle queue and node on this machine's embedded servers or on --redis URL.",
+    )
+    stats_parser(stats_command).set_defaults(parser=stats_command)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "run a real loader on the embedded Redis and report", "stats": "list queues",
-                "bench": "loader vs copy floor vs DataLoader"}  # fmt: skip
-    if not args or args[0] not in commands:
-        usage = "\n".join(f"  {name:<6} {text_}" for name, text_ in commands.items())
-        print(f"usage: gigashuffle <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
         return 2
-    command, rest = args[0], args[1:]
-    if command == "demo":
+    if args.command == "demo":
         from .demo import main as demo_main
 
         return demo_main(rest)
-    if command == "bench":
+    if args.command == "bench":
         from .bench.runner import main as bench_main
 
         return bench_main(rest)
-    return stats_main(rest)
+    if rest:
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return stats(args)
+    except CliError as exc:
+        print(f"gigashuffle {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

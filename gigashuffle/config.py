@@ -7,19 +7,51 @@ misconfigured job fails at construction instead of hanging in a child process la
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 # '@' separates queue and node in every Redis key's hash tag (keys.py); a node id without it splits one way only.
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
 
+# The rank fields and the variables torchrun (and torch.distributed's other launchers) sets for them, with the
+# value a process started by hand has.
+RANK_ENV: tuple[tuple[str, str, int], ...] = (
+    ("local_rank", "LOCAL_RANK", 0),
+    ("global_rank", "RANK", 0),
+    ("local_world_size", "LOCAL_WORLD_SIZE", 1),
+    ("global_world_size", "WORLD_SIZE", 1),
+)
+
+
 def _fail(field: str, value: object, fix: str) -> ValueError:
     return ValueError(f"DataloaderConfig.{field}={value!r} is invalid: {fix}")
+
+
+def _env_int(variable: str, field: str, least: int) -> int | None:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = least - 1  # reported below with the raw text
+    if value < least:
+        raise ValueError(
+            f"environment variable {variable}={raw!r} (for DataloaderConfig.{field}) is invalid: it must be an int "
+            f">= {least}, as torchrun sets it; unset it, fix the launcher, or pass {field}= to from_env explicitly"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +62,9 @@ class DataloaderConfig:
     buffer; ``queue_name`` names the buffer and must be unique among the loaders that share a Redis server.
     ``num_readers=0`` makes a rank that only feeds its node's buffer (it yields no batches). ``seed`` is the
     base of every writer's seed (``seed + worker id``, as torch's DataLoader does); None draws one per job.
+    ``pin_memory=True`` registers this rank's reader rings with CUDA so that host-to-device copies run at pinned
+    speed; ``device="cuda:N"`` (or a ``torch.device``) also returns every batch already on that device (the rings are
+    then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     """
 
     bs: int
@@ -54,6 +89,32 @@ class DataloaderConfig:
     node_id: str | None = None
     redis_timeout_s: float = 30.0
     seed: int | None = None
+    pin_memory: bool = False
+    device: str | torch.device | None = None
+
+    @classmethod
+    def from_env(cls, **fields: Any) -> DataloaderConfig:
+        """A config whose rank fields come from torchrun's environment, for fields not given explicitly.
+
+        Reads ``LOCAL_RANK``, ``RANK``, ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``; a variable that is not set gives
+        the single-process value (ranks 0, world sizes 1), so the same script also runs without torchrun. A value
+        that is not a non-negative int (a positive one for the world sizes) raises ``ValueError`` naming the
+        variable.
+        """
+        from_env: dict[str, Any] = {}
+        for field, variable, default in RANK_ENV:
+            if field in fields:
+                continue
+            value = _env_int(variable, field, least=1 if field.endswith("world_size") else 0)
+            from_env[field] = default if value is None else value
+        try:
+            return cls(**fields, **from_env)
+        except ValueError as exc:
+            # The rank checks name the field; say where its value came from, since the caller never wrote it.
+            seen = ", ".join(f"{v}={os.environ[v]!r}" for f, v, _ in RANK_ENV if f in from_env and v in os.environ)
+            if not seen:
+                raise
+            raise ValueError(f"{exc} (from_env read {seen})") from exc
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -62,6 +123,7 @@ class DataloaderConfig:
         self._check_modes()
         self._check_capacity()
         self._check_redis()
+        self._check_device()
 
     @property
     def node(self) -> str:
@@ -191,6 +253,20 @@ class DataloaderConfig:
             raise _fail("redis_port", self.redis_port, "use a TCP port in 1..65535")
         if self.redis_db is not None and self.redis_db < 0:
             raise _fail("redis_db", self.redis_db, "use a database number >= 0")
+
+    def _check_device(self) -> None:
+        # Only the spelling is checked here (no torch import: the CLI builds configs); whether this machine has the
+        # device is checked when the loader is built (gigashuffle.pinning).
+        value = self.device
+        if value is None:
+            return
+        kind = type(value)
+        if kind.__module__ == "torch" and kind.__name__ == "device":
+            value = str(value)
+        elif not isinstance(value, str):
+            raise TypeError(f"DataloaderConfig.device={self.device!r} must be a str, a torch.device or None")
+        if not _DEVICE_RE.match(value):
+            raise _fail("device", self.device, "use 'cpu', 'cuda' or 'cuda:N' (or None to keep batches where they are)")
 
     def legacy_redis_url(self) -> str | None:
         """The seed's redis_host/redis_port/redis_db spelled as a URL, when any of them was given."""

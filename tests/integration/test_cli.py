@@ -1,18 +1,89 @@
-"""``gigashuffle stats`` against a live loader: every queue and node, its slot counts, ranks and rates."""
+"""The ``gigashuffle`` command as a user runs it: a real process each time, against real loaders and servers."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 from datasets import UniqueIds
 
+import gigashuffle
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.cli import queue_rows
 from gigashuffle.redisconn import connect
+
+HEAVY = ("torch", "numpy", "redis")
+
+
+def cli(*args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m gigashuffle.cli ARGS``; GIGASHUFFLE_REDIS_URL is dropped so the defaults are what's tested."""
+    environ = {k: v for k, v in os.environ.items() if k != "GIGASHUFFLE_REDIS_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "gigashuffle.cli", *args],
+        capture_output=True, text=True, timeout=timeout_s, check=False, env={**environ, **(env or {})},
+    )  # fmt: skip
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """Module names from ``python -X importtime`` output (``import time: self | cumulative | name`` lines)."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "package":  # the header line
+                names.add(name)
+    return names
+
+
+@pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["--version"]])
+def test_help_imports_nothing_heavy(args: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gigashuffle.cli", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = imported_modules(done.stderr)
+    assert "gigashuffle._version" in modules  # the check sees the package's own imports, so it would see torch
+    heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY)
+    assert not heavy, f"`gigashuffle {' '.join(args)}` imported {heavy[:10]}"
+
+
+def test_help_lists_the_commands_and_version_is_the_package_version() -> None:
+    done = cli("--help")
+    assert done.returncode == 0
+    for command in ("demo", "stats", "bench"):
+        assert f"    {command}" in done.stdout
+    version = cli("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"gigashuffle {gigashuffle.__version__}")
+
+
+def test_no_command_prints_help_and_fails() -> None:
+    done = cli()
+    assert done.returncode == 2
+    assert "usage: gigashuffle" in done.stderr and "stats" in done.stderr
+
+
+def test_subcommands_answer_their_own_help() -> None:
+    done = cli("demo", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "usage: gigashuffle demo" in done.stdout and "--seconds" in done.stdout
+
+
+def test_bench_json_through_the_command() -> None:
+    done = cli("bench", "--workload", "tiny", "--seconds", "0.05", "--no-loader", "--json", "--log-level", "WARNING")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(done.stdout)
+    assert result["workload"] == "tiny"
+    assert result["copy_floor"]["samples_per_s"] > 0
 
 
 def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> None:
@@ -40,15 +111,151 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
             stop.set()
             consumer.join(timeout=60)
             client.close()
-        cli = subprocess.run(
-            [sys.executable, "-m", "gigashuffle.cli", "stats", "--redis-url", redis_url, "--json", "--interval", "0"],
-            capture_output=True, text=True, timeout=120, check=True,
-        )  # fmt: skip
+        listed_by_url = cli("stats", "--redis", redis_url, "--json", "--interval", "0")
+        legacy_flag = cli("stats", "--redis-url", redis_url, "--interval", "0")
     assert not consumer.is_alive()
     (row,) = rows
     assert (row["queue"], row["node"], row["size"], row["ranks"]) == ("cli-stats", "n0", 128, 1)
     assert row["full"] + row["empty"] + row["in_flight"] == 128
     assert row["processes"] == 2
     assert row["read_per_s"] > 0 and row["written_per_s"] > 0, row
-    (listed,) = json.loads(cli.stdout)
-    assert listed["queue"] == "cli-stats" and listed["read_per_s"] is None
+    assert listed_by_url.returncode == 0, listed_by_url.stderr
+    (listed,) = json.loads(listed_by_url.stdout)
+    assert listed["queue"] == "cli-stats" and listed["read_per_s"] is None and listed["server"] == redis_url
+    assert legacy_flag.returncode == 0, legacy_flag.stderr
+    header, line = legacy_flag.stdout.splitlines()
+    assert header.split() == ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes",
+                              "written_per_s", "read_per_s", "generation"]  # fmt: skip
+    assert line.split()[:3] == ["cli-stats", "n0", "128"]
+
+
+def test_stats_finds_every_node_embedded_server_and_watches(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GIGASHUFFLE_REDIS_URL", raising=False)
+    common = {"bs": 4, "shuffle_size": 64, "queue_name": "cli-nodes", "num_writers": 1, "num_readers": 1}
+    node0 = DataloaderConfig(**common)
+    node1 = DataloaderConfig(**common, global_rank=1, global_world_size=2)  # one rank per node: node n1
+    with (
+        MultiprocessShuffledDataloader(UniqueIds(), node0) as loader0,
+        MultiprocessShuffledDataloader(UniqueIds(), node1) as loader1,
+    ):
+        next(iter(loader0))  # both buffers exist before we look
+        next(iter(loader1))
+        once = cli("stats", "--json", "--interval", "0")
+        watched = cli("stats", "--json", "--interval", "0", "--watch", "0.2", "--count", "3")
+        table = cli("stats", "--watch", "0.2", "--count", "2")
+    sockets = {f"unix://{runtime_dir / 'redis-n0.sock'}", f"unix://{runtime_dir / 'redis-n1.sock'}"}
+
+    assert once.returncode == 0, once.stderr
+    rows = json.loads(once.stdout)
+    assert sorted((r["queue"], r["node"], r["size"]) for r in rows) == [
+        ("cli-nodes", "n0", 64),
+        ("cli-nodes", "n1", 64),
+    ]
+    assert {r["server"] for r in rows} == sockets
+
+    assert watched.returncode == 0, watched.stderr
+    frames = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert len(frames) == 3
+    assert all(len(frame) == 2 for frame in frames)
+    assert all(r["read_per_s"] is None for r in frames[0])  # --interval 0: no rate before a second refresh
+    assert all(isinstance(r["read_per_s"], int) and isinstance(r["written_per_s"], int) for r in frames[2])
+
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    headers = [line for line in lines if line.startswith("gigashuffle stats")]
+    assert len(headers) == 2
+    assert all(socket_url in headers[0] for socket_url in sockets)
+    assert sum(line.split()[:2] == ["cli-nodes", "n1"] for line in lines) == 2
+
+
+def _refused_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"  # nothing listens once the probe is closed
+
+
+@pytest.mark.parametrize("where", ["refused port", "missing socket"])
+def test_unreachable_server_is_one_line_and_an_exit_code(where: str, tmp_path: Path) -> None:
+    url = _refused_url() if where == "refused port" else f"unix://{tmp_path / 'none.sock'}"
+    done = cli("stats", "--redis", url, "--timeout", "1")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"gigashuffle stats: Redis at {url} failed: ")
+    assert "Traceback" not in done.stderr
+    assert "--timeout" in line
+
+
+def test_no_embedded_server_is_one_line(runtime_dir: Path) -> None:
+    done = cli("stats", env={"GIGASHUFFLE_RUNTIME_DIR": str(runtime_dir)})
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert f"no embedded gigashuffle server answers in {runtime_dir}" in line
+    assert "--redis URL" in line
+
+
+def test_watch_follows_a_server_that_stops_and_ends_on_ctrl_c(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GIGASHUFFLE_REDIS_URL", raising=False)
+    config = DataloaderConfig(bs=4, shuffle_size=64, queue_name="cli-gone", num_writers=1, num_readers=1)
+    environ = {k: v for k, v in os.environ.items() if k != "GIGASHUFFLE_REDIS_URL"}
+    lines: queue.Queue[str] = queue.Queue()
+
+    def next_frame(deadline: float) -> list[dict[str, object]]:
+        try:
+            frame: list[dict[str, object]] = json.loads(lines.get(timeout=max(deadline - time.monotonic(), 0)))
+        except queue.Empty:
+            pytest.fail("no frame from `gigashuffle stats --watch` before the deadline")
+        return frame
+
+    loader = MultiprocessShuffledDataloader(UniqueIds(), config)
+    watch = None
+    try:
+        next(iter(loader))
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "gigashuffle.cli", "stats", "--watch", "0.1", "--json", "--interval", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
+        )  # fmt: skip
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        assert [r["queue"] for r in next_frame(deadline)] == ["cli-gone"]
+        loader.close()  # the last loader of the node: its embedded server stops
+        while next_frame(deadline):
+            pass  # frames until the watch sees the server gone
+        watch.send_signal(signal.SIGINT)
+        _, stderr = watch.communicate(timeout=60)
+    finally:
+        loader.close()
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait(timeout=60)
+    assert watch.returncode == 0, stderr
+    assert stderr == ""
+
+
+def test_watch_without_a_server_waits_for_one(runtime_dir: Path) -> None:
+    # Embedded servers come and go with their loaders: a watch keeps looking, as top does for processes.
+    done = cli("stats", "--watch", "0.1", "--count", "2", env={"GIGASHUFFLE_RUNTIME_DIR": str(runtime_dir)})
+    assert done.returncode == 0, done.stderr
+    headers = [line for line in done.stdout.splitlines() if line.startswith("gigashuffle stats")]
+    assert len(headers) == 2
+    assert all(f"no embedded gigashuffle server answers in {runtime_dir}" in h for h in headers)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--watch", "0"], 1, "--watch 0 is invalid"),
+        (["--count", "0", "--watch"], 1, "--count 0 is invalid"),
+        (["--redis", "localhost:6379"], 1, "--redis 'localhost:6379' is invalid: use redis://"),
+        (["--bogus"], 2, "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_stats_arguments(args: list[str], code: int, message: str) -> None:
+    done = cli("stats", *args, timeout_s=60)
+    assert done.returncode == code
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr

@@ -453,3 +453,29 @@ def test_killed_rank_ends_job_and_leaves_nothing(tmp_path: Path, runtime_dir: Pa
     assert left_sockets == [], left_sockets
     assert left_shm == []
     assert_no_leaks(before, deadline_s=5.0, runtime_dir=runtime_dir, shm_pattern=f"*{queue}*")
+
+
+def test_example_training_script_runs_and_resumes(tmp_path: Path, runtime_dir: Path) -> None:
+    """The README's torchrun example, as users run it: trains, checkpoints, and resumes from the checkpoint."""
+    example = Path(__file__).parents[2] / "examples" / "train_torchrun.py"
+    common = ["--queue", _queue_name("example"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--shuffle-size", "512"]
+    t0 = time.monotonic()
+    for run, extra in (("train", ["--steps", "20"]), ("resume", ["--steps", "30", "--resume"])):
+        out = tmp_path / run
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+               f"--log-dir={out / 'ranks'}", "--tee=3", str(example), *common, *extra]  # fmt: skip
+        with open(out / "agent.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(),
+                                    start_new_session=True, cwd=tmp_path)  # fmt: skip
+        agent = Agent(0, proc, out / "agent.log", out / "ranks")
+        with _agents() as agents:
+            agents.append(agent)
+            codes = _wait_all(agents, time.monotonic() + JOB_DEADLINE_S)
+        text = (out / "agent.log").read_text(errors="replace")
+        assert codes == [0], agent.tail()
+        assert "held-out after" in text, agent.tail()
+        if run == "resume":
+            assert "resumed at step 20" in text, agent.tail()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank0.pt", "rank1.pt"]
+    _report("examples/train_torchrun.py, 1 node x 2 ranks, train then resume", time.monotonic() - t0, None)

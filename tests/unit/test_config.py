@@ -267,3 +267,83 @@ def test_a_writer_only_rank_and_explicit_seeds_are_accepted() -> None:
     assert make(seed=0).seed == 0
     assert make(seed=2**63 - 1).seed == 2**63 - 1
     assert make().seed is None
+
+
+TORCHRUN_VARS = ("LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_from_env_reads_torchrun_variables(clean_env: pytest.MonkeyPatch) -> None:
+    for name, value in zip(TORCHRUN_VARS, ("1", "5", "4", "8"), strict=True):
+        clean_env.setenv(name, value)
+    cfg = DataloaderConfig.from_env(**{**BASE, "shuffle_size": 256})
+    ranks = (cfg.local_rank, cfg.global_rank, cfg.local_world_size, cfg.global_world_size)
+    assert ranks == (1, 5, 4, 8)
+    assert cfg.node == "n1"
+    assert (cfg.bs, cfg.queue_name) == (BASE["bs"], BASE["queue_name"])
+
+
+def test_from_env_without_variables_is_a_single_process(clean_env: pytest.MonkeyPatch) -> None:
+    assert DataloaderConfig.from_env(**BASE) == make()
+
+
+def test_from_env_explicit_fields_win(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("LOCAL_RANK", "not-even-an-int")  # never read: the caller gave local_rank
+    clean_env.setenv("RANK", "3")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    clean_env.setenv("WORLD_SIZE", "4")
+    cfg = DataloaderConfig.from_env(**BASE, local_rank=0, global_rank=2)
+    assert (cfg.local_rank, cfg.global_rank, cfg.local_world_size, cfg.global_world_size) == (0, 2, 2, 4)
+
+
+def test_from_env_reads_only_missing_variables(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("WORLD_SIZE", "3")
+    clean_env.setenv("RANK", "2")
+    cfg = DataloaderConfig.from_env(**BASE)
+    # No LOCAL_* variables: one process per node, as for a launcher that sets only RANK and WORLD_SIZE.
+    assert (cfg.local_rank, cfg.global_rank, cfg.local_world_size, cfg.global_world_size) == (0, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "field"),
+    [
+        ("LOCAL_RANK", "abc", "local_rank"),
+        ("RANK", "", "global_rank"),
+        ("RANK", "-1", "global_rank"),
+        ("LOCAL_WORLD_SIZE", "0", "local_world_size"),
+        ("WORLD_SIZE", "2.0", "global_world_size"),
+    ],
+)
+def test_from_env_malformed_variable_names_variable_value_and_fix(
+    clean_env: pytest.MonkeyPatch, variable: str, raw: str, field: str
+) -> None:
+    clean_env.setenv(variable, raw)
+    with pytest.raises(ValueError) as info:
+        DataloaderConfig.from_env(**BASE)
+    message = str(info.value)
+    assert f"environment variable {variable}={raw!r}" in message
+    assert f"DataloaderConfig.{field}" in message
+    assert f"pass {field}= to from_env" in message
+
+
+def test_from_env_inconsistent_ranks_say_where_they_came_from(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("RANK", "4")
+    clean_env.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError) as info:
+        DataloaderConfig.from_env(**BASE)
+    message = str(info.value)
+    assert "DataloaderConfig.global_rank=4 is invalid: use a value in [0, 4)" in message
+    assert "from_env read RANK='4', WORLD_SIZE='4'" in message
+
+
+def test_from_env_still_validates_other_fields(clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"DataloaderConfig\.bs=0 is invalid"):
+        DataloaderConfig.from_env(**{**BASE, "bs": 0})
+    with pytest.raises(TypeError, match="required"):
+        DataloaderConfig.from_env(bs=4)

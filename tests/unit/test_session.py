@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from redis_servers import wait_until
 
-from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError
+from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError, dummy
 from gigashuffle import session as session_mod
 from gigashuffle.keys import QueueKeys
 from gigashuffle.redisconn import Client, connect
@@ -132,7 +132,23 @@ def test_same_rank_twice_is_refused(join: Callable[[DataloaderConfig], NodeSessi
     assert "global_rank=0" in message
     assert s0.token in message  # the live holder is named
     assert "another queue_name" in message
+    assert "global_rank, local_world_size and global_world_size" in message  # the rank fields are named
+    assert "DataloaderConfig.from_env(...)" in message
     assert client.get(NODE0.rank(0)) == s0.token.encode()  # the holder keeps its claim
+
+
+def test_ranks_left_at_zero_under_torchrun_are_pointed_at_from_env(
+    join: Callable[[DataloaderConfig], NodeSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two torchrun ranks whose configs forgot the rank fields both claim rank 0 of a one-rank job.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    single = {"local_world_size": 1, "global_world_size": 1, "global_rank": 0, "local_rank": 0}
+    join(config(0, **single))
+    with pytest.raises(QueueInUseError) as info:
+        join(config(0, **single))
+    message = str(info.value)
+    assert "WORLD_SIZE=2 but its config has global_world_size=1" in message
+    assert "DataloaderConfig.from_env(...)" in message
 
 
 @pytest.mark.parametrize(
@@ -239,6 +255,7 @@ def test_last_leave_deletes_every_key_of_the_queue(
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
     store.flush_counters(6, 2, 4, 4, 2)
+    assert dummy.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}
     assert ours == expected

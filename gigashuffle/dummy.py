@@ -1,0 +1,113 @@
+"""The dummy batch's row: the first row of writer 0 of the node's first rank, published on its own.
+
+NOTE [ Dummy row ]
+Whichever writer seeds the buffer puts its first row in the buffer's metadata, and that is any writer of any rank
+that happens to get a chunk first. The dummy batch must not depend on that race (the reference always shows the
+first row of writer 0 of rank 0), so writer 0 of the node's first rank (``local_rank == 0``) publishes its own first
+row under the ``dummy`` key, signed like the metadata, once it has its first chunk and the buffer exists;
+``get_dummy_batch`` waits for that row.
+
+"Rank 0" per node: each node has its own buffer and its own Redis session, and rows of global rank 0 never reach
+the buffer of another node, so on node ``n`` the designated writer is writer 0 of global rank
+``n * local_world_size`` (local rank 0). On node 0 that is global rank 0, as in the reference.
+
+The first publication wins for the whole session (a respawned writer 0, which draws a fresh stream, does not
+change the dummy batch). If the designated writer's share of the data is empty (NOTE [ Empty shares ] in
+writer.py) it publishes that fact instead, and the dummy batch falls back to the first row in the buffer's
+metadata, with a log line saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import DataloaderConfig
+from .errors import TamperedMetadataError
+from .keys import QueueKeys
+from .redisconn import Client, address, translate_errors
+from .runtime import sign, verify
+from .schema import Layout
+
+log = logging.getLogger(__name__)
+
+# KEYS: gen, dummy. ARGV: gen, then field/value pairs. 1: published; 0: an earlier publication stands;
+# -1: this process belongs to a session that is gone (its writes must not reach the new one).
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+return 1
+"""
+
+
+def is_dummy_writer(config: DataloaderConfig, index: int) -> bool:
+    """Whether writer ``index`` of this rank is the one whose first row is the node's dummy row."""
+    return config.local_rank == 0 and index == 0
+
+
+def row_bytes(layout: Layout, chunk: Any) -> bytes:
+    """The first row of ``chunk`` as the buffer stores it: every field's bytes, in layout order."""
+    _rows, as_bytes = layout.rows_in(chunk)
+    return b"".join(field[0].numpy().tobytes() for field in as_bytes)
+
+
+def _row_signature(secret: bytes, generation: str, layout_json: bytes, row: bytes) -> str:
+    # The layout is signed with the row, so a row can only be read with the layout it was written for.
+    return sign(secret, b"dummy-row", generation.encode(), layout_json, row)
+
+
+def _absent_signature(secret: bytes, generation: str) -> str:
+    return sign(secret, b"dummy-absent", generation.encode())
+
+
+def _publish(client: Client, keys: QueueKeys, generation: str, fields: dict[str, bytes | str]) -> int:
+    script = client.register_script(_PUBLISH)
+    pairs = [x for item in fields.items() for x in item]
+    with translate_errors(address(client)):
+        return int(script(keys=[keys.gen, keys.dummy], args=[generation, *pairs]))
+
+
+def publish_row(
+    client: Client, keys: QueueKeys, secret: bytes, generation: str, layout_json: bytes, row: bytes, by: str
+) -> bool:
+    """Publish the dummy row (first publication wins); True if this call published it."""
+    signature = _row_signature(secret, generation, layout_json, row)
+    result = _publish(client, keys, generation, {"row": row, "layout": layout_json, "hmac": signature, "by": by})
+    if result < 0:
+        log.debug("dummy row of %s not published: the session %s is gone", by, generation)
+    return result == 1
+
+
+def publish_absent(client: Client, keys: QueueKeys, secret: bytes, generation: str, by: str) -> bool:
+    """Record that the designated writer has no rows (an empty share); the dummy batch then falls back."""
+    fields: dict[str, bytes | str] = {"absent": b"1", "hmac": _absent_signature(secret, generation), "by": by}
+    return _publish(client, keys, generation, fields) == 1
+
+
+def read(client: Client, keys: QueueKeys) -> dict[str, bytes]:
+    with translate_errors(address(client)):
+        raw = client.hgetall(keys.dummy)
+    # Our clients return bytes; a client made with decode_responses returns str.
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v if isinstance(v, bytes) else v.encode()) for k, v in raw.items()
+    }
+
+
+def verified_row(
+    secret: bytes, generation: str, published: dict[str, bytes], meta: dict[str, bytes], queue: str
+) -> bytes | None:
+    """The dummy row from ``published`` (the ``dummy`` hash), None if the designated writer has none; raises
+    ``TamperedMetadataError`` if its signature does not check out or it was written for another layout."""
+    signature = published.get("hmac", b"")
+    if "absent" in published:
+        if verify(secret, signature, b"dummy-absent", generation.encode()):
+            return None
+    elif published.get("layout") == meta["layout"] and verify(
+        secret, signature, b"dummy-row", generation.encode(), published["layout"], published.get("row", b"")
+    ):
+        return published["row"]
+    raise TamperedMetadataError(
+        f"the dummy row of queue {queue!r} in Redis fails its HMAC check: it was not written by a gigashuffle "
+        "process of this user on this machine in this session, or it was modified; refusing to use it"
+    )

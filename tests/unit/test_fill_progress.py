@@ -1,0 +1,137 @@
+"""FillProgress with a fake clock and probe: what the lines say, when a bar is drawn, and that without tqdm there are
+still lines."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import re
+from types import ModuleType
+
+import pytest
+
+from gigashuffle import progress
+from gigashuffle.progress import FillProgress, format_eta
+
+LINE = re.compile(
+    r"^queue 'q' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<pct>[\d.]+)%\), "
+    r"(?P<rate>[\d,]+) rows/s, ETA (?P<eta>.+)$"
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "gigashuffle.progress" and r.levelno == logging.INFO]
+
+
+def test_a_line_every_interval_with_rows_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    clock, rows = Clock(), [0]
+    fill = FillProgress("queue 'q' rank 0", 2000, lambda: rows[0], interval_s=5.0, clock=clock, stream=io.StringIO())
+    fill.update()  # the first probe: the rate's origin
+    for _ in range(9):  # 4.5 s at 100 rows/s: no line yet
+        clock.now += 0.5
+        rows[0] += 50
+        fill.update()
+    assert _lines(caplog) == []
+    clock.now += 0.5
+    rows[0] += 50
+    fill.update()
+    (line,) = _lines(caplog)
+    match = LINE.match(line)
+    assert match, line
+    assert match["rows"] == "500" and match["total"] == "2,000" and match["pct"] == "25.0"
+    assert match["rate"] == "100" and match["eta"] == "15 s"  # 1,500 rows left at 100 rows/s
+    rows[0] = 2000
+    clock.now += 1.0
+    fill.update()  # the target: one closing line, then silence
+    clock.now += 10.0
+    fill.update()
+    lines = _lines(caplog)
+    assert len(lines) == 2 and "reached 2,000 full rows (min_mixing) after 6.0 s" in lines[1], lines
+
+
+def test_no_rows_yet_gives_an_unknown_eta_and_a_fast_fill_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    clock = Clock()
+    fill = FillProgress("queue 'q' rank 0", 64, lambda: 0, interval_s=1.0, clock=clock, stream=io.StringIO())
+    fill.update()
+    clock.now += 1.0
+    fill.update()
+    assert _lines(caplog) == ["queue 'q' rank 0: filling the shuffle buffer: 0/64 rows (0.0%), 0 rows/s, "
+                              "ETA unknown (no rows yet)"]  # fmt: skip
+    caplog.clear()
+    quick = FillProgress("queue 'q' rank 0", 64, lambda: 64, interval_s=1.0, clock=clock, stream=io.StringIO())
+    quick.update()
+    quick.finish()
+    assert _lines(caplog) == [], "a buffer that filled before the first line was due is not reported"
+
+
+def test_closing_before_the_target_does_not_claim_it_was_reached(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    clock = Clock()
+    fill = FillProgress("queue 'q' rank 0", 64, lambda: 3, interval_s=1.0, clock=clock, stream=io.StringIO())
+    fill.update()
+    clock.now += 1.0
+    fill.update()
+    fill.finish(reached=False)
+    assert len(_lines(caplog)) == 1 and "reached" not in _lines(caplog)[0]
+
+
+def test_a_bar_only_on_a_terminal() -> None:
+    pytest.importorskip("tqdm")
+    rows = [0]
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        fill = FillProgress("queue 'q' rank 0", 1000, lambda: rows[0], interval_s=60.0, stream=stream)
+        rows[0] = 250
+        fill.update()
+        fill.finish()
+    assert "gigashuffle queue 'q' rank 0: filling" in tty.getvalue() and "250/1000" in tty.getvalue()
+    assert pipe.getvalue() == ""
+    rows[0] = 0
+    assert FillProgress("q", 10, lambda: 0, bar=False, stream=Tty())._bar is None, "bar=False: lines only"
+
+
+def test_without_tqdm_there_are_only_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    real = importlib.import_module
+
+    def no_tqdm(name: str, package: str | None = None) -> ModuleType:
+        if name == "tqdm":
+            raise ImportError("No module named 'tqdm'")
+        return real(name, package)
+
+    monkeypatch.setattr(progress.importlib, "import_module", no_tqdm)
+    clock = Clock()
+    tty = Tty()
+    fill = FillProgress("queue 'q' rank 0", 10, lambda: 1, interval_s=1.0, clock=clock, stream=tty)
+    fill.update()
+    clock.now += 1.0
+    fill.update()
+    assert tty.getvalue() == "" and len(_lines(caplog)) == 1
+
+
+def test_the_interval_comes_from_the_module_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.25)
+    assert FillProgress("q", 10, lambda: 0, stream=io.StringIO()).interval_s == 0.25
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.4, "< 1 s"), (1, "1 s"), (59, "59 s"), (125, "2 min 5 s"), (7380, "2 h 3 min")]
+)
+def test_eta_format(seconds: float, text: str) -> None:
+    assert format_eta(seconds) == text
