@@ -157,7 +157,9 @@ def test_fill_once_abandoned_pass_restarts_at_the_first_batch(redis_url: str) ->
 
 def test_get_dummy_batch_copies_the_first_row_and_consumes_nothing(redis_url: str) -> None:
     bs = 8
-    cfg = _fill_once_config(redis_url, _queue("dummy"), bs=bs, shuffle_size=64)
+    # One writer: the dummy row is writer 0's first row, and with a second writer racing for the 64 slots of a
+    # fill_once buffer (writes go to shared memory at once) writer 0's first chunk need not be among them.
+    cfg = _fill_once_config(redis_url, _queue("dummy"), bs=bs, shuffle_size=64, num_writers=1)
     with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
         dummy = loader.get_dummy_batch()
         again = loader.get_dummy_batch()
