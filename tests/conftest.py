@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,13 @@ def redis_cluster_url(redis_cluster: RedisCluster) -> str:
     """URL of a node of this worker's cluster, with every node emptied first."""
     redis_cluster.flushall()
     return redis_cluster.url
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[Any]:
+    """A gigashuffle Redis client (its retry policy included) on this worker's emptied Redis."""
+    from gigashuffle.redisconn import connect
+
+    c = connect(redis_url, total_timeout_s=5.0)
+    yield c
+    c.close()

@@ -7,6 +7,7 @@ node would) and reads its state and holder arrays under the table's lock, so the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -65,3 +66,17 @@ def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool =
         orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
         assert not orphans, f"slots held by processes that are dead or not registered (never repaired): {orphans}"
     return {"empty": int((state == EMPTY).sum()), "full": int((state == FULL).sum()), "leased": int(held.sum())}
+
+
+def lock_is_free(table: SlotTable) -> bool:
+    """True if nobody holds the node lock (probed through a fresh open file description of the table's memfd)."""
+    if table.fd is None:
+        raise AssertionError("table has no fd")
+    fd = os.open(f"/proc/self/fd/{table.fd}", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True

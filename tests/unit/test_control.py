@@ -6,24 +6,16 @@ The slot transitions are not here: they live in the slot table (tests/unit/test_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
 from gigashuffle import QueueStateLostError
 from gigashuffle.control import ControlPlane, QueueStats
 from gigashuffle.keys import PREFIX, QueueKeys
-from gigashuffle.redisconn import Client, connect
+from gigashuffle.redisconn import Client
 
 GEN = "gen-1"
 KEYS = QueueKeys("slots-test", "n0")
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    c = connect(redis_url, total_timeout_s=5.0)
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import os
 import pwd
 import stat
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from gigashuffle import GigashuffleError, TamperedMetadataError, runtime
 from gigashuffle.control import ControlPlane
 from gigashuffle.keys import QueueKeys
 from gigashuffle.meta import signed_meta, verified_layout
-from gigashuffle.redisconn import Client, connect
+from gigashuffle.redisconn import Client
 from gigashuffle.runtime import (
     attach_socket_path,
     node_secret,
@@ -197,13 +196,6 @@ def fields(layout: Layout = LAYOUT) -> dict[str, bytes]:
         "owner": b"w0",
         "nbytes": b"4096",
     }
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    c = connect(redis_url, total_timeout_s=5.0)
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from redis_servers import wait_until
 from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError, dummy
 from gigashuffle import session as session_mod
 from gigashuffle.keys import QueueKeys
-from gigashuffle.redisconn import Client, connect
+from gigashuffle.redisconn import Client
 from gigashuffle.runtime import pid_alive
 from gigashuffle.session import LEASE_MS, NodeSession, shared_conf
 
@@ -38,13 +38,6 @@ def config(rank: int, **overrides: Any) -> DataloaderConfig:
         "local_rank": rank % 2,
     }
     return DataloaderConfig(**{**base, **overrides})
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[Client]:
-    c = connect(redis_url, total_timeout_s=5.0)
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ No Redis and no loader: real shared memory, real ``flock``, real forked processe
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import time
@@ -13,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from slot_audit import lock_is_free
 
 from gigashuffle.buffer import SharedMemory
 from gigashuffle.slottable import (
@@ -52,20 +52,6 @@ def _wait(pid: int) -> int:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     raise AssertionError(f"child {pid} did not finish within {_WAIT_S}s")
-
-
-def _unlocked(table: SlotTable) -> bool:
-    """True if nobody holds the node lock (probed through a fresh open file description)."""
-    if table.fd is None:
-        raise AssertionError("table has no fd")
-    fd = os.open(f"/proc/self/fd/{table.fd}", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 def _fill(table: SlotTable, pid: int, n: int) -> np.ndarray:
@@ -226,7 +212,7 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
 
     pid = _fork(die_in_transition)
     assert os.WTERMSIG(_wait(pid)) == signal.SIGKILL
-    assert _unlocked(table)  # the kernel let go of the dead holder's lock
+    assert lock_is_free(table)  # the kernel let go of the dead holder's lock
     snap = table.snapshot()  # the first lock holder rolls the journal forward
     if applied == "none":
         assert snap == TableSnapshot(0, 0, 4, 6)  # nothing happened; the reader's slots await repair

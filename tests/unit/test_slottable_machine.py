@@ -33,7 +33,6 @@ be in exactly one of those places.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import linecache
 import mmap
 import os
@@ -55,6 +54,7 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from slot_audit import lock_is_free
 
 from gigashuffle import slottable
 from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, TableSnapshot
@@ -238,19 +238,6 @@ def _alive(pid: int) -> bool:
         return True
     _UNREAPED.discard(pid)  # it died unasked, and is reaped now: nothing left to kill
     return False
-
-
-def _lock_free(table: SlotTable) -> bool:
-    """True if nobody holds the node lock (probed through a fresh open file description)."""
-    assert table.fd is not None
-    fd = os.open(f"/proc/self/fd/{table.fd}", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 @dataclass
@@ -650,7 +637,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         table = self.table
         # Before anything here takes the lock: no transition is left half-done between steps.
         assert int(table._header[2]) == 0, "a journaled op was left for later"
-        assert _lock_free(table), "someone still holds the node lock between steps"
+        assert lock_is_free(table), "someone still holds the node lock between steps"
         state, holder, version = table.state.copy(), table.holder.copy(), table.version.copy()
         assert np.isin(state, (EMPTY, WRITING, FULL, READING, READING_EVICT)).all(), state
         counts = np.bincount(state, minlength=5)
