@@ -5,7 +5,9 @@ The server listens only on ``<runtime dir>/redis-<node>.sock`` (mode 0700 direct
 Starting is serialised by an flock on ``redis-<node>.lock``: whoever holds it pings the socket and starts a
 server only if none answers (removing a stale socket file first). Each loader that uses the server adds a token
 to a set in it; ``release`` removes the token and shuts the server down when no live user is left. The server
-also gets PR_SET_PDEATHSIG against the process that started it, so it dies with that process.
+also gets PR_SET_PDEATHSIG against the process that started it, so it dies with that process. The signal is
+SIGTERM, not SIGKILL: the server then shuts down cleanly (no persistence, so at once) and unlinks its own socket
+file, which nobody else would remove when its starter was killed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ USERS_KEY = "gigashuffle:embedded:users"
 _START_TIMEOUT_S = 15.0
 _DEATHSIG_EXEC = (
     "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
