@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 5.0
 """Seconds between two progress lines (read when a ``FillProgress`` is made)."""
-_PROBE_INTERVAL_S = 0.5  # each probe is a Redis round trip: the wait loop spins far faster than this
+_PROBE_INTERVAL_S = 0.5  # until the table is mapped a probe asks Redis; the wait loop spins far faster than this
 
 
 def format_eta(seconds: float) -> str:
