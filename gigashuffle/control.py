@@ -106,6 +106,12 @@ class ControlPlane:
                 info = self.client.info("server")
         return str(info["run_id"])
 
+    def generation_now(self) -> str | None:
+        """The node session's generation as Redis has it now (None when there is none)."""
+        with translate_errors(self._where):
+            value = self.client.get(self.keys.gen)
+        return None if value is None else text(value)
+
     def counters(self) -> tuple[int, int]:
         """Rows ``(written, read)`` this session."""
         with translate_errors(self._where):

@@ -23,7 +23,7 @@ from .meta import verified_layout
 from .procs import ChildProcess
 from .redisconn import Client, connect
 from .runtime import node_secret, remove_stale_sockets, runtime_dir
-from .schema import INDEX_KEY
+from .schema import INDEX_KEY, Layout
 from .session import NodeSession
 from .slottable import ShuffleBufferStats
 from .supervisor import Supervisor
@@ -78,6 +78,7 @@ class MultiprocessShuffledDataloader:
         directory = runtime_dir()
         remove_stale_sockets(directory)
         self._secret = node_secret(directory)
+        self._dummy: tuple[Layout, bytes] | None = None  # the verified dummy row, once read (it never changes)
         self.redis_url, server = resolve_redis_url(config)
         client: Client | None = None
         session: NodeSession | None = None
@@ -269,16 +270,18 @@ class MultiprocessShuffledDataloader:
             meta = store.meta()
             return (published, meta) if "hmac" in meta else None
 
-        published, meta = self._wait_for(probe, "the first chunk of writer 0")
-        layout = verified_layout(self._secret, store.generation, meta, self.config.queue_name)
-        row_bytes = dummy.verified_row(self._secret, store.generation, published, meta, self.config.queue_name)
-        if row_bytes is None:
-            log.info(
-                "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
-                "the dummy batch repeats the first row of the writer that created the buffer instead",
-                self.config.queue_name,
-            )
-            row_bytes = meta["first_row"]
+        if self._dummy is None:
+            while True:
+                generation = store.generation
+                published, meta = self._wait_for(probe, "the first chunk of writer 0")
+                try:
+                    self._dummy = self._verified_dummy(generation, published, meta)
+                    break
+                except GigashuffleError:
+                    if store.generation == generation:
+                        raise
+                    # Read across a rejoin (NOTE [ Rejoining ] in supervisor.py): read it again in the new session.
+        layout, row_bytes = self._dummy
         row = memoryview(bytearray(row_bytes))
         bs, offset = self.config.bs, 0
         batch: Batch = [{} for _ in range(layout.num_groups)]
@@ -289,6 +292,20 @@ class MultiprocessShuffledDataloader:
             offset += spec.row_bytes
         batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
         return self._placement.place(batch)
+
+    def _verified_dummy(
+        self, generation: str, published: dict[str, bytes], meta: dict[str, bytes]
+    ) -> tuple[Layout, bytes]:
+        layout = verified_layout(self._secret, generation, meta, self.config.queue_name)
+        row_bytes = dummy.verified_row(self._secret, generation, published, meta, self.config.queue_name)
+        if row_bytes is None:
+            log.info(
+                "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
+                "the dummy batch repeats the first row of the writer that created the buffer instead",
+                self.config.queue_name,
+            )
+            row_bytes = meta["first_row"]
+        return layout, row_bytes
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""

@@ -28,6 +28,12 @@ class BatchReady:
 
 
 @dataclass(frozen=True)
+class Attached:
+    """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
+    (NOTE [ Rejoining ] in ``supervisor.py``)."""
+
+
+@dataclass(frozen=True)
 class PassEnd:
     """A fill_once reader sent every batch of pass ``number``."""
 
@@ -79,5 +85,13 @@ class StateRequest:
     request: int
 
 
-ToTrainer = RingReady | BatchReady | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest
+@dataclass(frozen=True)
+class Rejoin:
+    """The trainer joined a new node session: quote ``generation`` from now on, register again, and publish the
+    buffer's metadata (and the dummy row) again under it."""
+
+    generation: str
+
+
+ToTrainer = RingReady | Attached | BatchReady | PassEnd | DatasetState | ChildError
+ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest | Rejoin

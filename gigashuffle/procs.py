@@ -34,6 +34,9 @@ class ChildProcess:
     traceback_text: str = ""
     ring: BatchRing | None = None
     held: int = 0  # batches of this child's ring that the caller still holds
+    generation: str = ""  # the node session this child quotes
+    attached: bool = False  # it has the node buffer mapped (so a new session costs it nothing)
+    superseded: bool = False  # killed because it started under a session that is gone: start it again for free
 
     @property
     def alive(self) -> bool:
@@ -85,6 +88,10 @@ class Zygote:
         finally:
             theirs.close()
         return seq, ours
+
+    def kill(self, seq: int) -> None:
+        """SIGKILL the child of spawn request ``seq`` if it still runs; its exit arrives as an ``exited`` event."""
+        self.channel.send(("kill", seq))
 
     def events(self) -> list[tuple[object, ...]]:
         """Messages the zygote sent since the last call; raises if the zygote itself died."""

@@ -26,7 +26,7 @@ import torch
 
 from .buffer import BatchRing, SlotBuffer
 from .channel import Channel
-from .messages import BatchReady, FreeSlot, PassEnd, RingReady, StartPass, ToChild
+from .messages import BatchReady, FreeSlot, PassEnd, Rejoin, RingReady, StartPass, ToChild
 from .slottable import SlotIds, SlotTable, Versions
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
@@ -57,13 +57,16 @@ def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, version
 
 
 def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
-    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first); return any other messages."""
+    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first) and apply a ``Rejoin``; return any
+    other messages."""
     others: list[ToChild] = []
     timeout = block_s
     while env.channel.poll(timeout):
         message, _ = env.channel.recv()
         if isinstance(message, FreeSlot):
             free.append(message.k)
+        elif isinstance(message, Rejoin):
+            env.rejoin(message.generation)
         else:
             others.append(message)
         timeout = 0
@@ -72,11 +75,14 @@ def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild
 
 def run(spec: ChildSpec, channel: Channel) -> None:
     env = ChildEnv(spec, channel)
-    buffer, table, ring = _open_ring(env)
-    if spec.config.fill_once:
-        _serve_passes(env, buffer, table, ring)
-    else:
-        _stream(env, buffer, table, ring)
+    try:
+        buffer, table, ring = _open_ring(env)
+        if spec.config.fill_once:
+            _serve_passes(env, buffer, table, ring)
+        else:
+            _stream(env, buffer, table, ring)
+    finally:
+        env.close()
 
 
 def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:

@@ -7,11 +7,28 @@ or a lost Redis session is seen within about a second even while the trainer wai
 raised sends a ``ChildError`` (type and traceback) before exiting; the trainer raises that text in a ``WorkerDied``.
 A dead child's slots are repaired in the slot table at once (when the trainer has mapped it; else the other
 children's once-a-second repair finds the dead pid), and with ``max_restarts`` left it is spawned again.
-When the session itself is lost (Redis restarted without persistence, or was flushed: the heartbeat or a child
-finds the generation gone), the trainer kills its children, joins again (the first rank of the node back starts a
-new generation, the others join it) and spawns them afresh; batches already announced stay valid.
-``shutdown()`` is idempotent and is also the loader's ``weakref.finalize`` callback, so it must not refer to
-the loader object.
+When the session itself is lost, the trainer rejoins (NOTE [ Rejoining ]). ``shutdown()`` is idempotent and is
+also the loader's ``weakref.finalize`` callback, so it must not refer to the loader object.
+
+NOTE [ Rejoining ]
+Redis may forget or contradict the node session: restarted without persistence, flushed, restored from an older
+snapshot, failed over to a replica. The heartbeat notices (the claim or generation is gone, or the server's
+``run_id`` changed), and so does a child whose generation-checked call is refused. None of that touches the rows:
+the buffer and its slot table live in the children's shared memory. So the trainer
+  1. joins again: the first rank of the node back starts a new generation, the others join it;
+  2. publishes the buffer's metadata again under it, from the verified copy it kept when it mapped the slot
+     table (first publication wins; every rank's copy describes the same buffer). It does this before any child
+     starts under the new generation, so a new writer attaches to the node's buffer instead of making another;
+  3. sends ``Rejoin(generation)`` to every child that has the buffer mapped (``Attached``/``RingReady`` seen):
+     it registers again (its attach socket) and quotes the new generation; the dummy writer publishes its row
+     again. Until then such a child keeps moving rows; its counter flushes are refused and kept for later;
+  4. kills, through the zygote, every child still starting (it holds no slots and would quote the old
+     generation) and starts it again. A child that died of a refused generation is started again too. Neither
+     counts against ``max_restarts``: nothing failed.
+No row is lost, delivered twice or torn, since the slot table never left shared memory. What stays open: a rank
+whose trainer never mapped the slot table (no child of it had attached yet) cannot republish the metadata, so
+during start-up a new writer of that rank may create a second buffer if it is faster than the ranks that can.
+Only a Redis that stays unreachable past ``redis_timeout_s`` fails the loader (``QueueStateLostError``).
 """
 
 from __future__ import annotations
@@ -30,11 +47,12 @@ from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
-from .messages import BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, RingReady, ToChild
+from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
+from .meta import signed_meta, verified_layout
 from .pickling import dumps_by_value
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
-from .runtime import attach_socket_path, remove_socket
+from .runtime import attach_socket_path, node_secret, remove_socket
 from .schema import Layout
 from .seeds import base_seed
 from .session import NodeSession
@@ -76,8 +94,10 @@ class Supervisor:
         self.closed = False
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
-        self.session_restarts = 0
+        self.session_rejoins = 0
         self._table: SlotTable | None = None
+        self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned (NOTE [ Rejoining ])
+        self._secret = node_secret(self.runtime_path)
         self.seed, origin = base_seed(config, session.generation, os.environ)
         log.info(
             "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
@@ -132,7 +152,7 @@ class Supervisor:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._spec(role, index), title)
-        return ChildProcess(role, index, seq, channel, restarts)
+        return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
     # -- the message pump ------------------------------------------------------------------------------------
     def pump(self, timeout: float = _PUMP_S) -> None:
@@ -147,7 +167,7 @@ class Supervisor:
         for event in self.zygote.events():
             self._on_zygote_event(event)
         if self.session.lost is not None and self.failure is None:
-            self._restart_session(self.session.lost)
+            self._rejoin(self.session.lost)
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -170,6 +190,9 @@ class Supervisor:
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
             child.ring = BatchRing(layout, self.config.bs, self.config.ring_depth, memory)
+            self._on_attached(child)
+        elif isinstance(message, Attached):
+            self._on_attached(child)
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
         elif isinstance(message, DatasetState):
@@ -202,43 +225,75 @@ class Supervisor:
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
-        if child.error_type == "QueueStateLostError":
-            self._restart_session(QueueStateLostError(str(error)))
+        if child.superseded or child.error_type == "QueueStateLostError":
+            if child.generation != self.session.generation and self.session.lost is None:
+                child.superseded = False  # its session is gone and we are in the new one: start it now
+                self.children.append(self._spawn(child.role, child.index, child.restarts))
+            else:
+                # It saw a newer session before (or as) our heartbeat did: the rejoin starts it again.
+                child.superseded = True
+                if self.session.lost is None:
+                    self.session.lost = QueueStateLostError(f"{child.role} {child.index} found: {error}")
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
 
-    def _restart_session(self, reason: BaseException) -> None:
-        """Start over under a new generation after Redis lost the queue's state (see NOTE [ Supervision ])."""
-        if isinstance(reason, QueueStateLostError) and self.session_restarts < self.config.max_restarts:
-            self.session_restarts += 1
+    def _on_attached(self, child: ChildProcess) -> None:
+        child.attached = True
+        self.table()  # map it now: its verified metadata is what a rejoin publishes again
+
+    def _rejoin(self, reason: BaseException) -> None:
+        """Carry on under a new session with the same buffer and children (NOTE [ Rejoining ])."""
+        if isinstance(reason, QueueStateLostError):
             log.warning(
-                "queue %r lost its Redis state (%s); restarting its processes under a new session (%d of %d)",
-                self.config.queue_name, str(reason).splitlines()[0], self.session_restarts, self.config.max_restarts,
+                "queue %r: %s; rejoining with the buffer and processes as they are",
+                self.config.queue_name, str(reason).splitlines()[0],
             )  # fmt: skip
             try:
-                self._stop_children()
-                self._drop_table()
                 self.session.rejoin()
-                self.zygote = Zygote(self._zygote_title)
-                self._spawn_all()
-                return
+                if self._meta_fields:
+                    store = self.session.store
+                    store.seed(signed_meta(self._secret, store.generation, self._meta_fields))
             except GigashuffleError as exc:
                 reason = exc
+            else:
+                self.session_rejoins += 1
+                self._resume_children()
+                return
         self.failure = QueueStateLostError(
-            f"queue {self.config.queue_name!r}: {reason}. Redis restarted without persistence, was flushed, or is "
-            "unreachable, and the restart budget (max_restarts) is spent; recreate the loader."
+            f"queue {self.config.queue_name!r}: {reason}. Redis stayed unreachable past redis_timeout_s="
+            f"{self.config.redis_timeout_s}, so the node session could not be joined again; recreate the loader."
         )
 
-    def _stop_children(self) -> None:
-        """Kill every child (through the zygote) and forget them; batches already announced stay deliverable."""
+    def _resume_children(self) -> None:
+        generation = self.session.generation
+        self._learn_pids()
+        for child in list(self.children):
+            if child.alive and child.attached:
+                child.generation = generation
+                try:
+                    child.channel.send(Rejoin(generation))
+                except OSError as exc:
+                    log.debug("%s %d did not take Rejoin: %s", child.role, child.index, exc)
+            elif child.alive and not child.superseded:
+                child.superseded = True
+                self.zygote.kill(child.seq)
+            elif not child.alive and child.superseded:
+                child.superseded = False  # died under the old session, before we rejoined: start it now
+                self.children.append(self._spawn(child.role, child.index, child.restarts))
+
+    def _learn_pids(self) -> None:
         try:
             for event in self.zygote.events():  # learn the pids of children spawned since the last pump
                 self._on_zygote_event(event)
         except GigashuffleError as exc:
             log.warning("%s", exc)
+
+    def _stop_children(self) -> None:
+        """Kill every child (through the zygote) and forget them; batches already announced stay deliverable."""
+        self._learn_pids()
         self.zygote.close()
         for child in self.children:
             if child.pid is not None:
@@ -265,7 +320,19 @@ class Supervisor:
             os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
             slots = self.config.shuffle_size
             self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+            self._keep_meta()
         return self._table
+
+    def _keep_meta(self) -> None:
+        """Keep the buffer's metadata, verified, to publish it again after a rejoin (NOTE [ Rejoining ])."""
+        store = self.session.store
+        meta = store.meta()
+        try:
+            verified_layout(self._secret, store.generation, meta, self.config.queue_name)
+        except GigashuffleError as exc:
+            log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
+            return
+        self._meta_fields = {name: value for name, value in meta.items() if name != "hmac"}
 
     def _drop_table(self) -> None:
         if self._table is not None:

@@ -14,20 +14,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import dummy
 from .attach import AttachServer, attach
 from .buffer import SharedMemory, SlotBuffer
 from .channel import Channel
 from .config import DataloaderConfig
 from .control import FLUSH_PERIOD_S, ControlPlane
-from .errors import AttachError
+from .errors import AttachError, GigashuffleError, QueueStateLostError
 from .keys import QueueKeys
 from .meta import signed_meta, verified_layout
 from .redisconn import connect
 from .runtime import attach_socket_path, node_secret
 from .schema import Layout
-from .slottable import SlotTable, table_nbytes
+from .slottable import ShuffleBufferStats, SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
+
+# Counters are flushed with their own client that gives up quickly: a child whose Redis is down or paused keeps
+# serving rows from the slot table and flushes later, instead of blocking its loop for redis_timeout_s.
+_FLUSH_BUDGET_S = 0.5
 
 
 @dataclass
@@ -79,13 +84,17 @@ class ChildEnv:
         self.config = spec.config
         self.proc = proc_name(spec.config.global_rank, spec.role, spec.index, os.getpid())
         self.client = connect(spec.redis_url, spec.config.redis_timeout_s)
-        self.store = ControlPlane(self.client, QueueKeys(spec.config.queue_name, spec.config.node), spec.generation)
+        keys = QueueKeys(spec.config.queue_name, spec.config.node)
+        self.store = ControlPlane(self.client, keys, spec.generation)
+        self._flush_store: ControlPlane | None = None
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
         self.buffer: SlotBuffer | None = None
         self.table: SlotTable | None = None
         self.server: AttachServer | None = None
         self.owner = False
+        self.meta_fields: dict[str, bytes] = {}  # the buffer's metadata as published, unsigned
+        self.dummy_row: tuple[bytes, bytes] | None = None  # (layout JSON, row) if this writer published it
         self.register()
 
     def register(self, **extra: Any) -> None:
@@ -119,27 +128,47 @@ class ChildEnv:
         # must never be handed out (a reader that attached through it would gather zeros forever).
         self.buffer, self.table, self.owner = buffer, table, True
         self._serve(register=False)
-        if self.store.seed(signed_meta(self.secret, self.spec.generation, fields)):
-            self.register()
-            retitle(" owner")
-            return True
-        if self.server is not None:
-            self.server.close()
-        self.server, self.buffer, self.table, self.owner = None, None, None, False
-        buffer.close()
-        table.close()
-        return False
+        won = False
+        try:
+            won = self.store.seed(signed_meta(self.secret, self.spec.generation, fields))
+        finally:
+            if not won:
+                if self.server is not None:
+                    self.server.close()
+                self.server, self.buffer, self.table, self.owner = None, None, None, False
+                buffer.close()
+                table.close()
+        if not won:
+            return False
+        self.meta_fields = fields
+        self.register()
+        retitle(" owner")
+        return True
 
     def read_meta(self) -> tuple[Layout, dict[str, bytes]]:
         """Wait for the published metadata and check its HMAC."""
         backoff = Backoff(cap_s=0.05)
         while "hmac" not in (meta := self.store.meta()):
+            self._raise_if_stale()
             backoff.sleep()
-        return verified_layout(self.secret, self.spec.generation, meta, self.config.queue_name), meta
+        try:
+            return verified_layout(self.secret, self.spec.generation, meta, self.config.queue_name), meta
+        except GigashuffleError:
+            self._raise_if_stale()  # metadata of a newer session, signed for its generation: not tampered with
+            raise
+
+    def _raise_if_stale(self) -> None:
+        current = self.store.generation_now()
+        if current != self.spec.generation:
+            raise QueueStateLostError(
+                f"the session {self.spec.generation} of queue {self.config.queue_name!r} is gone (now {current}); "
+                "the trainer starts this process again under the new one"
+            )
 
     def attach_buffer(self) -> Layout:
         """Map the published buffer and slot table through any process that serves them, then serve them too."""
         layout, meta = self.read_meta()
+        self.meta_fields = {name: value for name, value in meta.items() if name != "hmac"}
         slots = self.config.shuffle_size
         buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, self.config.redis_timeout_s)
         self.buffer = SlotBuffer(layout, slots, SharedMemory(int(meta["nbytes"]), buffer_fd))
@@ -155,6 +184,38 @@ class ChildEnv:
         self.server = AttachServer(path, fds, {"nbytes": self.buffer.nbytes})
         if register:
             self.register()
+
+    # -- a new session (NOTE [ Rejoining ] in supervisor.py) ----------------------------------------------------
+    def rejoin(self, generation: str) -> None:
+        """Quote ``generation`` from now on; register again and publish the buffer and the dummy row under it."""
+        log.info("%s rejoins queue %r under session %s", self.proc, self.config.queue_name, generation)
+        self.spec.generation = self.store.generation = generation
+        self.register()
+        if self.buffer is not None and self.meta_fields:  # the trainer did so too; whoever is first wins
+            self.store.seed(signed_meta(self.secret, generation, self.meta_fields))
+        if self.dummy_row is not None:
+            layout_json, row = self.dummy_row
+            dummy.publish_row(self.client, self.store.keys, self.secret, generation, layout_json, row, self.proc)
+
+    def close(self) -> None:
+        """Stop serving the buffer and drop this process's mappings and Redis connections."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for resource in (self.buffer, self.table):
+            if resource is not None:
+                resource.close()
+        self.buffer = self.table = None
+        self.client.close()
+        if self._flush_store is not None:
+            self._flush_store.client.close()
+
+    def flush_counters(self, written: int, read: int, stats: ShuffleBufferStats) -> None:
+        """Flush through a client that gives up after ``_FLUSH_BUDGET_S`` (made on first use, for the same reason)."""
+        if self._flush_store is None:
+            self._flush_store = ControlPlane(connect(self.spec.redis_url, _FLUSH_BUDGET_S), self.store.keys)
+        self._flush_store.generation = self.store.generation
+        self._flush_store.flush_counters(written, read, stats.full, stats.empty, stats.in_flight)
 
 
 def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[int, int]:
@@ -203,7 +264,14 @@ class Housekeeping:
         if repaired:
             log.info("returned %d slots of dead processes", repaired)
         stats = table.snapshot().stats()
-        self.env.store.flush_counters(self.written, self.read, stats.full, stats.empty, stats.in_flight)
+        try:
+            self.env.flush_counters(self.written, self.read, stats)
+        except QueueStateLostError:
+            log.debug("counters not flushed: the session is gone; the trainer's Rejoin names the new one")
+            return
+        except GigashuffleError as exc:
+            log.debug("counters not flushed (%s); trying again in %.1f s", exc, self.period_s)
+            return
         self.written = self.read = 0
 
 

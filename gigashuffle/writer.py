@@ -33,7 +33,7 @@ from torch.utils.data._utils import worker as torch_worker
 from . import dummy
 from .channel import Channel
 from .errors import SchemaError
-from .messages import DatasetState, LoadState, SetContext, StateRequest
+from .messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
 from .schema import Layout
 from .seeds import writer_seed
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
@@ -159,6 +159,8 @@ def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
             changed = True
         elif isinstance(message, StateRequest):
             env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
+        elif isinstance(message, Rejoin):
+            env.rejoin(message.generation)
         else:
             log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
     return changed
@@ -171,6 +173,13 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     if spec.dataset_state is not None:
         spec.dataset.load_state_dict(spec.dataset_state)
     env = ChildEnv(spec, channel)
+    try:
+        _run(spec, env)
+    finally:
+        env.close()
+
+
+def _run(spec: ChildSpec, env: ChildEnv) -> None:
     chunks = _Chunks(spec, env)
     _handle_control(env, chunks)
     chunk = chunks.next()
@@ -189,9 +198,10 @@ def run(spec: ChildSpec, channel: Channel) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
+    env.channel.send(Attached())
     if dummy.is_dummy_writer(spec.config, spec.index):
-        row = dummy.row_bytes(layout, chunk)
-        dummy.publish_row(env.client, env.store.keys, env.secret, spec.generation, meta["layout"], row, env.proc)
+        env.dummy_row = (meta["layout"], dummy.row_bytes(layout, chunk))
+        dummy.publish_row(env.client, env.store.keys, env.secret, spec.generation, *env.dummy_row, env.proc)
     _write_forever(env, chunks, chunk, layout)
 
 

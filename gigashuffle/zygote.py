@@ -72,6 +72,7 @@ def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -
 
 def serve(trainer: Channel) -> None:
     children: set[int] = set()
+    pid_of: dict[int, int] = {}  # spawn request number -> pid
     try:
         while True:
             _reap(trainer, children)
@@ -82,7 +83,13 @@ def serve(trainer: Channel) -> None:
                 _kind, seq, payload, title = message
                 pid = _fork_child(trainer, payload, title, fds[0])
                 children.add(pid)
+                pid_of[seq] = pid
                 trainer.send(("spawned", seq, pid))
+            elif message[0] == "kill":
+                # By request number, and only while unreaped: the pid cannot have been reused by then.
+                pid = pid_of.pop(message[1], -1)
+                if pid in children:
+                    os.kill(pid, signal.SIGKILL)
     except (ChannelClosed, ConnectionError):
         pass  # the trainer closed us or died: take the children down with us
     finally:

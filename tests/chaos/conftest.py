@@ -275,6 +275,21 @@ class Chaos:
     process_gone = staticmethod(process_gone)
     deadline = staticmethod(deadline)
 
+    def settled(self, loader: MultiprocessShuffledDataloader) -> bool:
+        """Every child of ``loader`` is registered and serves the buffer, whose owner published the metadata."""
+        cfg = loader.config
+        procs = loader.processes()
+        owners = [p for p, info in procs.items() if info.get("owner")]
+        with redis.Redis.from_url(loader.redis_url, socket_timeout=5.0) as client:
+            meta_owner = client.hget(self.keys(cfg).meta, "owner")
+        return (
+            len(procs) == cfg.num_writers + cfg.num_readers
+            and all(info.get("attach") for info in procs.values())
+            and len(owners) == 1
+            and meta_owner is not None
+            and owners[0] == meta_owner.decode()
+        )
+
     def find_victim(self, loader: MultiprocessShuffledDataloader, which: str, rng: random.Random,
                     timeout_s: float = 60.0) -> tuple[str, dict[str, Any]]:  # fmt: skip
         """``(proc id, info)`` of the owner writer, a non-owner writer, or a reader, once every child serves.
@@ -282,24 +297,8 @@ class Chaos:
         The owner is the ``processes()`` entry with ``owner: True``; it must also be the process the signed
         metadata names.
         """
-        cfg = loader.config
-        keys = self.keys(cfg)
-        expected = cfg.num_writers + cfg.num_readers
-
-        def settled() -> bool:
-            procs = loader.processes()
-            owners = [p for p, info in procs.items() if info.get("owner")]
-            with redis.Redis.from_url(loader.redis_url, socket_timeout=5.0) as client:
-                meta_owner = client.hget(keys.meta, "owner")
-            return (
-                len(procs) == expected
-                and all(info.get("attach") for info in procs.values())
-                and len(owners) == 1
-                and meta_owner is not None
-                and owners[0] == meta_owner.decode()
-            )
-
-        wait_until(settled, timeout_s=timeout_s, what="every loader child to attach and the owner to publish")
+        what = "every loader child to attach and the owner to publish"
+        wait_until(lambda: self.settled(loader), timeout_s=timeout_s, what=what)
         procs = loader.processes()
         if which == "owner":
             candidates = [p for p, info in procs.items() if info.get("owner")]
