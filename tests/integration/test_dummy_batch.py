@@ -12,6 +12,7 @@ import redis
 import torch
 from datasets import DEADLINE_S, ID_STRIDE
 from gpu_datasets import LateWriters
+from redis_servers import wait_until
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, GigashuffleError, MultiprocessShuffledDataloader
 from gigashuffle.keys import QueueKeys
@@ -86,14 +87,27 @@ def test_dummy_batch_falls_back_to_the_buffers_first_row_when_writer_0_has_no_ro
 
 
 def test_a_forged_dummy_row_is_refused(redis_url: str) -> None:
+    """A row forged in Redis before the loader read it is refused; one forged after is never read (the loader
+    keeps the verified row it read first, so the dummy batch cannot change under a running job)."""
     queue, bs = _queue("dummy-forged"), 4
     cfg = DataloaderConfig(bs=bs, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1, redis_url=redis_url)
-    with MultiprocessShuffledDataloader(LateWriters(redis_url, queue, cfg.node, late=frozenset()), cfg) as loader:
-        _check_dummy(loader.get_dummy_batch(timeout_s=DEADLINE_S), bs, 0)
-        key = QueueKeys(queue, cfg.node).dummy
+    key = QueueKeys(queue, cfg.node).dummy
+
+    def forge() -> None:
         with redis.Redis.from_url(redis_url) as client:
+            wait_until(lambda: client.hexists(key, "row"), timeout_s=DEADLINE_S, what="the dummy row in Redis")
             row = client.hget(key, "row")
             assert row is not None
             client.hset(key, "row", np.int64(7).tobytes() + row[8:])
+
+    with MultiprocessShuffledDataloader(LateWriters(redis_url, queue, cfg.node, late=frozenset()), cfg) as loader:
+        forge()
         with pytest.raises(GigashuffleError, match=r"dummy row .* fails its HMAC check"):
             loader.get_dummy_batch(timeout_s=DEADLINE_S)
+    queue = _queue("dummy-forged-late")
+    cfg = DataloaderConfig(bs=bs, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1, redis_url=redis_url)
+    key = QueueKeys(queue, cfg.node).dummy
+    with MultiprocessShuffledDataloader(LateWriters(redis_url, queue, cfg.node, late=frozenset()), cfg) as loader:
+        _check_dummy(loader.get_dummy_batch(timeout_s=DEADLINE_S), bs, 0)
+        forge()
+        _check_dummy(loader.get_dummy_batch(timeout_s=DEADLINE_S), bs, 0)
