@@ -74,7 +74,8 @@ class RedisUnavailableError(GigashuffleError):
 
 
 class QueueStateLostError(GigashuffleError):
-    """The queue's bookkeeping vanished from Redis (a restart without persistence, a FLUSHALL, an eviction)."""
+    """The node session could not be kept: Redis stayed unreachable past ``redis_timeout_s`` after it lost or
+    replaced the queue's state (a restart, a FLUSHALL, a restore; those alone are survived by rejoining)."""
 
 
 class TamperedMetadataError(GigashuffleError):
