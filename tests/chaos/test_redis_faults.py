@@ -227,3 +227,48 @@ def test_children_still_starting_at_a_redis_fault_start_again(
     consumer.assert_unique()
     figures = chaos.assert_stats(loader)
     chaos.finish("started again", **figures)
+
+
+@pytest.mark.parametrize(("fault", "seed"), [("restart", 0), ("flushall", 1)])
+def test_two_ranks_of_a_node_rejoin_one_session_and_keep_one_buffer(
+    chaos: Any, redis_server: Any, redis_url: str, fault: str, seed: int
+) -> None:
+    """Both ranks notice, join one new session (the first back starts it) and carry on with the node's one
+    buffer: each rank still gets rows of both ranks' writers, no id twice across the node, same processes."""
+    rng = chaos.begin("Redis fault: two ranks", f"{fault} mid-run", seed, redis_url)
+    common = {"bs": 4, "num_writers": 1, "num_readers": 1, "local_world_size": 2, "global_world_size": 2}
+    loaders = [chaos.loader(ChaosDataset(rows=8), chaos.config(local_rank=r, global_rank=r, **common)) for r in (0, 1)]
+    consumers = [chaos.consumer(loader) for loader in loaders]
+    keys = chaos.keys(loaders[0].config)
+
+    def registered() -> set[int]:
+        return {info["pid"] for info in loaders[0].processes().values() if info.get("attach")}
+
+    def children() -> set[int]:
+        return {pid for loader in loaders for role in ("writer", "reader") for pid in loader.child_pids()[role]}
+
+    end = time.monotonic() + RESTART_LIMIT_S
+    while registered() != children() or len(children()) < 4:  # every child of both ranks serves the buffer
+        assert time.monotonic() < end, f"registered {registered()}, children {children()}"
+        for consumer in consumers:
+            consumer.next()
+    before, old_generation = children(), _generation(redis_url, keys)
+    back = _fault(fault, redis_server, rng, consumers[0])
+    end = back + RESTART_LIMIT_S
+    writers = [set(loader.child_pids()["writer"]) for loader in loaders]
+    seen_after: list[set[int]] = [set(), set()]
+    while (
+        _generation(redis_url, keys) in (None, old_generation)
+        or registered() != before
+        or any(seen != writers[0] | writers[1] for seen in seen_after)
+    ):
+        assert time.monotonic() < end, f"rejoin: registered {registered()} of {before}; writers seen {seen_after}"
+        for rank, consumer in enumerate(consumers):
+            ids = consumer.next(timeout_s=max(end - time.monotonic(), 1.0))
+            seen_after[rank].update(i // ID_SHIFT for i in ids)
+    detect_s = time.monotonic() - back
+    assert children() == before, "a child was started again: the rejoin should keep every process"
+    all_ids = [i for consumer in consumers for i in consumer.ids]
+    assert len(all_ids) == len(set(all_ids)), "a row was read twice across the node"
+    figures = chaos.assert_stats(loaders[0])
+    chaos.finish("rejoined", detect_s=detect_s, **figures)
