@@ -139,9 +139,11 @@ class ControlPlane:
         self.generation = reply[1].decode()
         return JoinResult(self.generation, reply[2].decode(), bool(reply[3]))
 
-    def heartbeat(self, rank: int, token: str, lease_ms: int) -> bool:
+    def heartbeat(self, rank: int, token: str, lease_ms: int) -> str | None:
+        """Extend the claim; the server's ``run_id``, or None when the claim or the generation is gone."""
         k = self.keys
-        return bool(self._run(self._heartbeat, [k.rank(rank), k.gen], [token, lease_ms, self.generation]))
+        reply = self._run(self._heartbeat, [k.rank(rank), k.gen], [token, lease_ms, self.generation])
+        return None if reply == 0 else text(reply)
 
     def release_rank(self, rank: int, other_ranks: list[int], token: str) -> bool:
         k = self.keys

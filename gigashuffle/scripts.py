@@ -99,11 +99,12 @@ return {'ok', redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]) or '', 0}
 HEARTBEAT = """
 -- KEYS: my rank, gen
 -- ARGV: token, lease ms, gen
--- Extends this trainer's claim. Returns 1, or 0 when the claim or the generation is gone (Redis lost its data
--- or another trainer took the rank).
+-- Extends this trainer's claim. Returns the server's run_id (so that one call a second also notices a restarted,
+-- restored or failed-over server), or 0 when the claim or the generation is gone (Redis lost its data or another
+-- trainer took the rank). INFO comes after the write: old servers refuse writes after a non-deterministic read.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 """
 
 RELEASE_RANK = """

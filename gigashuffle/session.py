@@ -128,12 +128,11 @@ class NodeSession:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                alive = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS)
-                server_id = self.store.server_id()
+                server_id = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS)
             except GigashuffleError as exc:
                 self.lost = exc
                 return
-            if not alive:
+            if server_id is None:
                 self.lost = QueueStateLostError("the queue's session in Redis is gone")
                 return
             if server_id != self.server_id:

@@ -273,8 +273,8 @@ def test_heartbeat_keeps_the_claim_alive(
     )
     assert client.get(NODE0.rank(0)) == s0.token.encode()
     assert s0.lost is None
-    assert s0.store.heartbeat(0, s0.token, LEASE_MS) is True
-    assert s0.store.heartbeat(0, "someone-else", LEASE_MS) is False
+    assert s0.store.heartbeat(0, s0.token, LEASE_MS) == client.info("server")["run_id"]  # one call: claim + run_id
+    assert s0.store.heartbeat(0, "someone-else", LEASE_MS) is None
 
 
 def test_heartbeat_notices_a_lost_session(
