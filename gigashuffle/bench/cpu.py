@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +79,19 @@ class CpuMeter:
         return out
 
 
-def loader_meter(child_pids: Mapping[str, list[int]], redis_client: Any) -> CpuMeter:
-    """Meter a loader: its processes by role (``loader.child_pids()``), this process as the trainer, and Redis."""
+def loader_meter(
+    child_pids: Mapping[str, list[int]], redis_client: Any, other_ranks: Sequence[Mapping[str, list[int]]] = ()
+) -> CpuMeter:
+    """Meter a loader: its processes by role (``loader.child_pids()``), this process as the trainer, and Redis.
+
+    ``other_ranks`` are the pids by role of the other trainer ranks sharing the node buffer, each with its own
+    ``trainer`` pid: they are metered with this rank's processes of the same role. Redis is counted once, since
+    the ranks of a node share one server.
+    """
     readings: dict[str, list[CpuReading]] = {"trainer": [own_cpu_s]}
-    for role, pids in child_pids.items():
-        readings[role] = [process_cpu_s(pid) for pid in pids]
+    for pids_by_role in (child_pids, *other_ranks):
+        for role, pids in pids_by_role.items():
+            readings.setdefault(role, []).extend(process_cpu_s(pid) for pid in pids)
     readings["redis"] = [redis_cpu_s(redis_client)]
     return CpuMeter(readings)
 

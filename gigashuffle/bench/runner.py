@@ -8,6 +8,7 @@ batch; and shuffle quality of the loader and the DataLoader baseline against an 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -17,7 +18,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,18 +27,14 @@ import torch
 from . import quality
 from .baselines import copy_floor, dataloader_baseline, timed_batches
 from .cpu import loader_meter, own_meter
+from .ranks import MIN_MIXING, READY_TIMEOUT_S, WARMUP_CAP_S, OtherRanks, mixing_threshold, rank_config, warm_up
 from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 log = logging.getLogger(__name__)
 
 Result = dict[str, Any]
 
-NUM_WRITERS = 1
-NUM_READERS = 1
-MIN_MIXING = 0.5
 DATALOADER_WORKERS = 2
-# Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
-WARMUP_CAP_S = 30.0
 MIB = 1 << 20
 
 
@@ -80,42 +77,37 @@ def _batch_ids(batch: list[dict[str, torch.Tensor]]) -> np.ndarray | None:
     return None
 
 
-def _warm_up(
-    next_batch: Callable[[], int], full_slots: Callable[[], int], threshold: int, cap_s: float
-) -> tuple[int, float, bool]:
-    """Read batches until ``threshold`` full slots were seen once. Returns (batches, seconds, mixed)."""
-    start = time.perf_counter()
-    batches = 0
-    while full_slots() < threshold:
-        if time.perf_counter() - start > cap_s:
-            log.warning("buffer never reached %d full slots in %.0f s; timing it unmixed", threshold, cap_s)
-            return batches, time.perf_counter() - start, False
-        next_batch()
-        batches += 1
-    return batches, time.perf_counter() - start, True
+def measure_loader(
+    workload: Workload,
+    seconds: float,
+    redis_url: str | None = None,
+    writers: int = 1,
+    readers: int = 1,
+    ranks: int = 1,
+) -> Result:
+    """Start the loader on ``workload``, wait until it is mixed, then time ``seconds`` of batches.
 
-
-def measure_loader(workload: Workload, seconds: float, redis_url: str | None = None) -> Result:
-    """Start the loader on ``workload``, wait until it is mixed, then time ``seconds`` of batches."""
+    With ``ranks`` > 1 this process is rank 0 of a node of ``ranks`` trainer ranks sharing one buffer, and ranks
+    1..ranks-1 run in processes of their own (:mod:`.ranks`); all ranks time the same window. Rates are the sum
+    over the ranks, CPU is summed over every process of every rank (Redis once), quality is rank 0's stream.
+    """
     # Imported here so the baselines and quality code work without the loader (and its imports).
-    from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+    from gigashuffle import MultiprocessShuffledDataloader
 
-    cfg = DataloaderConfig(
-        bs=workload.bs,
-        shuffle_size=workload.shuffle_size,
-        queue_name=f"bench-{workload.name}-{os.getpid()}-{secrets.token_hex(4)}",
-        num_writers=NUM_WRITERS,
-        num_readers=NUM_READERS,
-        min_mixing=MIN_MIXING,
-        redis_url=redis_url,
-    )
+    queue_name = f"bench-{workload.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    cfg = rank_config(workload, queue_name, writers, readers, 0, ranks, redis_url)
     import_torch_s = import_torch_seconds()
     ids: list[np.ndarray] = []
     start = time.perf_counter()
-    with MultiprocessShuffledDataloader(RepeatingChunkDataset(workload), cfg) as loader:
+    with contextlib.ExitStack() as stack:
+        loader = stack.enter_context(MultiprocessShuffledDataloader(RepeatingChunkDataset(workload), cfg))
         loader.get_dummy_batch()
         startup_s = time.perf_counter() - start
         log.info("%s: loader start-up %.2f s (import torch %.2f s)", workload.name, startup_s, import_torch_s)
+        # Started only now: loader.redis_url is the Redis this rank resolved (with none given, the embedded server it
+        # started), and every rank of the node must use that one to share the buffer. Left before the loader, so the
+        # other ranks are gone before this one's loader (and the embedded server it holds) closes.
+        others = stack.enter_context(OtherRanks(workload, queue_name, writers, readers, ranks, loader.redis_url))
         batches: Iterator[list[dict[str, torch.Tensor]]] = iter(loader)
 
         def step() -> int:
@@ -125,32 +117,56 @@ def measure_loader(workload: Workload, seconds: float, redis_url: str | None = N
                 ids.append(batch_ids)
             return len(batch[0][next(iter(batch[0]))])
 
-        # A reader takes a batch the moment full slots reach the mixing threshold, so between batches an
-        # observer sees at most threshold - bs full slots: that is the sign the threshold was reached.
-        threshold = math.ceil(MIN_MIXING * workload.shuffle_size) - workload.bs
-        warm_batches, warm_s, mixed = _warm_up(step, lambda: int(loader.stats().full), threshold, WARMUP_CAP_S)
+        warm = warm_up(step, lambda: int(loader.stats().full), mixing_threshold(workload), WARMUP_CAP_S)
+        loader.wait_started(READY_TIMEOUT_S)  # every child has a pid to meter before the window
+        other_reports = others.wait_ready()
         client = loader.redis_client()
-        meter = loader_meter(loader.child_pids(), client)
+        meter = loader_meter(loader.child_pids(), client, [report.pids for report in other_reports])
         calls_before = redis_command_calls(client)
         meter.start()
-        rate = timed_batches(step, seconds, workload.row_bytes)
+        end = time.monotonic() + seconds
+        others.start_window(end)
+        rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
         meter.stop()
         # The INFOs of the meter and of calls_before show up in the second snapshot: take them off.
         redis_calls = redis_command_calls(client) - calls_before - 3
-        children = child_memory(loader.child_pids())
+        other_reports = others.collect_rates(end)
+        # The other ranks are still open (they wait for the close that leaving ``others`` sends): measure them now.
+        children = [{"rank": 0, **child} for child in child_memory(loader.child_pids())]
+        for report in other_reports:
+            children_pids = {role: pids for role, pids in report.pids.items() if role != "trainer"}
+            children += [{"rank": report.rank, **child} for child in child_memory(children_pids)]
+    if ranks > 1:
+        # Quality estimates write positions as if every writer had started at once and wrote at the same rate; the
+        # writers of later ranks start seconds later, so the figures would be artefacts of the estimate.
+        log.info("%s: no shuffle quality with %d ranks (the writers of the ranks start at different times)",
+                 workload.name, ranks)  # fmt: skip
+    per_rank = [{"rank": 0, **rate.to_dict(), **warm.to_dict()}]
+    per_rank += [{"rank": report.rank, **(report.rate or {}), **report.warmup} for report in other_reports]
+    samples = sum(int(r["samples"]) for r in per_rank)
+    batches_total = sum(int(r["batches"]) for r in per_rank)
+    samples_per_s = sum(float(r["samples_per_s"]) for r in per_rank)
     return {
-        **rate.to_dict(),
+        # Totals over the ranks; "seconds" is rank 0's window, which the others share.
+        "samples": samples,
+        "batches": batches_total,
+        "seconds": rate.seconds,
+        "row_bytes": workload.row_bytes,
+        "samples_per_s": samples_per_s,
+        "mb_per_s": samples_per_s * workload.row_bytes / 1e6,
+        "ranks": ranks,
+        "per_rank": per_rank,
         "startup_s": startup_s,
         "import_torch_s": import_torch_s,
         "startup_vs_import_torch": startup_s / import_torch_s,
-        "warmup_batches": warm_batches,
-        "warmup_s": warm_s,
-        "mixed": mixed,
+        "warmup_batches": warm.batches,
+        "warmup_s": warm.seconds,
+        "mixed": all(bool(r["mixed"]) for r in per_rank),
         "redis_calls": redis_calls,
-        "redis_cmds_per_batch": redis_calls / rate.batches,
-        "cpu_us_per_row": meter.per_row_us(rate.samples),
+        "redis_cmds_per_batch": redis_calls / batches_total,
+        "cpu_us_per_row": meter.per_row_us(samples),
         "children": children,
-        "quality": quality.measure(ids, workload.shuffle_size, NUM_WRITERS).to_dict() if ids else None,
+        "quality": quality.measure(ids, workload.shuffle_size, writers).to_dict() if ids and ranks == 1 else None,
     }
 
 
@@ -164,6 +180,9 @@ def run_workload(
     loader: bool = True,
     baselines: bool = True,
     redis_url: str | None = None,
+    writers: int = 1,
+    readers: int = 1,
+    ranks: int = 1,
 ) -> Result:
     """Measure one workload: ``seconds`` of timed batches for each implementation, one after the other."""
     workload = get_workload(name)
@@ -175,14 +194,16 @@ def run_workload(
         "row_bytes": workload.row_bytes,
         "seconds": seconds,
         "torch_threads": torch.get_num_threads(),
-        "num_writers": NUM_WRITERS,
-        "num_readers": NUM_READERS,
+        # Per rank, as in DataloaderConfig: the node runs writers * ranks writers and readers * ranks readers.
+        "num_writers": writers,
+        "num_readers": readers,
+        "ranks": ranks,
         "min_mixing": MIN_MIXING,
     }
     if baselines:
         result.update(_measure_baselines(workload, seconds))
     if loader:
-        result["loader"] = measure_loader(workload, seconds, redis_url)
+        result["loader"] = measure_loader(workload, seconds, redis_url, writers, readers, ranks)
         gc.collect()
     if loader and baselines:
         rate = result["loader"]["samples_per_s"]
@@ -275,6 +296,7 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         [
             name,
             child["role"],
+            str(child.get("rank", 0)),
             str(child["pid"]),
             _num(child["uss"] / MIB, 1),
             _num(child["pss"] / MIB, 1),
@@ -304,16 +326,35 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         ]
         for name, ld in loaders
     ]
-    return [
+    sections = [
         "start-up (constructor to dummy batch) vs python -c 'import torch'\n"
         + _table(["workload", "", "loader", "import torch", "ratio"], startup),
         "loader children after the timed window (MiB)\n"
-        + _table(["workload", "role", "pid", "USS", "PSS", "shared"], memory),
+        + _table(["workload", "role", "rank", "pid", "USS", "PSS", "shared"], memory),
         "CPU-us per delivered row by process over the timed window (copy floor: one process gathering rows)\n"
         + _table(["workload", "", *_CPU_GROUPS, "floor", "all/floor"], cpu),
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
     ]
+    if any(ld.get("ranks", 1) > 1 for _, ld in loaders):
+        per_rank = [
+            [
+                name,
+                str(rank["rank"]),
+                _num(rank["samples_per_s"]),
+                _num(rank["samples"]),
+                f"{rank['seconds']:.2f} s",
+                f"{rank['warmup_batches']} in {rank['warmup_s']:.2f} s" + ("" if rank["mixed"] else " (never mixed)"),
+            ]
+            for name, ld in loaders
+            for rank in ld.get("per_rank", [])
+        ]
+        sections.insert(
+            0,
+            "loader rows/s by trainer rank (one node, one shared buffer; the loader row above is their sum)\n"
+            + _table(["workload", "rank", "samples/s", "samples", "window", "warm-up"], per_rank),
+        )
+    return sections
 
 
 def _quality_table(results: Sequence[Result]) -> str:
@@ -363,7 +404,8 @@ def format_table(results: Sequence[Result] | Result) -> str:
         return "no results"
     first = results[0]
     header = (
-        f"gigashuffle bench: {first['num_writers']} writer(s), {first['num_readers']} reader(s), "
+        f"gigashuffle bench: {first['num_writers']} writer(s) and {first['num_readers']} reader(s) per rank, "
+        f"{first.get('ranks', 1)} rank(s) on one node, "
         f"min_mixing {first['min_mixing']}, {first['seconds']:g} s per measurement, "
         f"torch threads {first['torch_threads']}, DataLoader {DATALOADER_WORKERS} workers"
     )
@@ -374,6 +416,13 @@ def format_table(results: Sequence[Result] | Result) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--no-baselines", action="store_true", help="measure the loader only")
     parser.add_argument("--no-loader", action="store_true", help="measure the baselines only")
+    parser.add_argument("--writers", type=_positive, default=1, help="writer processes per rank (default 1)")
+    parser.add_argument("--readers", type=_positive, default=1, help="reader processes per rank (default 1)")
+    parser.add_argument(
+        "--ranks",
+        type=_positive,
+        default=1,
+        help="trainer ranks of one node sharing one buffer, each its own process (default 1)",
+    )
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: embedded private server)")
     parser.add_argument("--log-level", default="INFO", help="logging level for progress on stderr")
     return parser
@@ -406,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             loader=not args.no_loader,
             baselines=not args.no_baselines,
             redis_url=args.redis_url,
+            writers=args.writers,
+            readers=args.readers,
+            ranks=args.ranks,
         )
         for name in names
     ]

@@ -86,6 +86,28 @@ def test_bench_json_through_the_command() -> None:
     assert result["copy_floor"]["samples_per_s"] > 0
 
 
+def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
+    """--ranks 2: rank 1 is a process of its own on the embedded server rank 0 started, and both deliver rows."""
+    done = cli(
+        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--ranks", "2", "--json",
+        "--log-level", "WARNING", timeout_s=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads(done.stdout)
+    assert (result["num_writers"], result["num_readers"], result["ranks"]) == (1, 1, 2)
+    loader = result["loader"]
+    per_rank = loader["per_rank"]
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    assert all(r["samples"] > 0 and r["samples_per_s"] > 0 for r in per_rank), per_rank
+    assert loader["samples"] == sum(r["samples"] for r in per_rank)
+    assert loader["samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in per_rank))
+    # CPU is metered over every process of both ranks: each rank's writer and reader, and both trainers.
+    assert {"writer", "reader", "trainer", "zygote", "redis", "all"} <= loader["cpu_us_per_row"].keys()
+    assert {(c["rank"], c["role"]) for c in loader["children"]} >= {
+        (r, role) for r in (0, 1) for role in ("writer", "reader")
+    }
+
+
 def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> None:
     config = DataloaderConfig(
         bs=8, shuffle_size=128, queue_name="cli-stats", num_writers=1, num_readers=1, redis_url=redis_url

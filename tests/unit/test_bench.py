@@ -184,6 +184,7 @@ def _fake_result() -> runner.Result:
         "torch_threads": 1,
         "num_writers": 1,
         "num_readers": 1,
+        "ranks": 1,
         "min_mixing": 0.5,
         "loader": loader,
         "copy_floor": {**rate, "cpu_us_per_row": {"trainer": 0.5, "all": 0.5}},
@@ -208,6 +209,25 @@ def test_format_table_has_every_section() -> None:
         assert needle in table
     cpu_row = next(line for line in table.splitlines() if line.startswith("small") and "7.50x" in line)
     assert cpu_row.split()[1:7] == ["1.00", "2.00", "0.50", "0.00", "0.25", "3.75"], cpu_row  # all/floor = 3.75/0.5
+
+
+def test_format_table_shows_each_rank() -> None:
+    result = _fake_result()
+    loader = result["loader"]
+    per_rank = [{"rank": r, **{k: loader[k] for k in ("samples", "batches", "seconds", "samples_per_s")},
+                 "warmup_batches": 1, "warmup_s": 0.1, "mixed": True} for r in (0, 1)]  # fmt: skip
+    result.update(num_writers=2, num_readers=2, ranks=2, loader={**loader, "ranks": 2, "per_rank": per_rank})
+    table = runner.format_table([result])
+    assert "2 writer(s) and 2 reader(s) per rank, 2 rank(s) on one node" in table
+    assert "rows/s by trainer rank" in table
+    assert "rows/s by trainer rank" not in runner.format_table([_fake_result()])
+
+
+@pytest.mark.parametrize("option", ["--writers", "--readers", "--ranks"])
+def test_scaling_options_need_a_positive_count(option: str) -> None:
+    assert getattr(runner.build_parser().parse_args([option, "3"]), option[2:]) == 3
+    with pytest.raises(SystemExit):
+        runner.build_parser().parse_args([option, "0"])
 
 
 def test_main_json_without_the_loader(capsys: pytest.CaptureFixture[str]) -> None:
