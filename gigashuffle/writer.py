@@ -213,7 +213,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 backoff.sleep()
                 continue
             backoff.reset()
-            buffer.write(torch.from_numpy(slots.astype(np.int64)), as_bytes, done)
+            buffer.write(slots, as_bytes, done)
             if table.commit_written(me, slots) != len(slots):
                 raise AssertionError(f"writer {me} lost slots it was writing (repaired as a dead holder's?)")
             done += len(slots)
