@@ -145,6 +145,14 @@ class SlotBuffer:
         self.memory.close()
 
 
+def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
+    """The numpy dtype to cut a field of ``dtype`` as, and the torch dtype to view it as then (None: as cut)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype, None
+    except TypeError:  # no numpy equivalent (bfloat16, float8): cut as the unsigned int of the same size
+        return np.dtype(f"u{dtype.itemsize}"), dtype
+
+
 class BatchRing:
     """A reader's ring of ``depth`` batch slots, each holding ``bs`` rows, their slot indices and the version of
     each slot's write (so a later ``evict`` can tell that write from a newer one; see NOTE [ Slot table ])."""
@@ -162,10 +170,11 @@ class BatchRing:
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
-        # What batch() cuts out of a ring slot, worked out once: per field its group, key, byte range, dtype and
-        # shape (batch() runs once per delivered batch in the trainer).
+        # What batch() cuts out of a ring slot, worked out once (batch() runs once per delivered batch in the
+        # trainer): per field its group, key, byte range, the numpy dtype it is cut as, its row shape, and the torch
+        # dtype to view it as afterwards when numpy has no such dtype (bfloat16, float8: cut as same-size ints).
         self._cuts = [
-            (spec.group, spec.key, off, off + bs * spec.row_bytes, spec.dtype, (bs, *spec.shape))
+            (spec.group, spec.key, off, off + bs * spec.row_bytes, *_numpy_cut(spec.dtype), (bs, *spec.shape))
             for off, spec in zip(offsets, layout.fields, strict=True)
         ]
         # The batches handed out: id of the weak reference to each batch's owner array -> (that reference, the
@@ -198,8 +207,8 @@ class BatchRing:
     def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
         """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.
 
-        All views share one storage whose owner is a fresh numpy array; ``on_release`` runs when the last view
-        (or any view derived from it) is gone, which is when the ring slot may be overwritten.
+        Every view keeps one fresh numpy array alive, the owner of the slot's bytes; ``on_release`` runs when the
+        last view (or any view derived from it) is gone, which is when the ring slot may be overwritten.
         """
         owner = self.memory.numpy_view(k * self.slot_bytes, self.slot_bytes)
         if on_release is not None:
@@ -207,11 +216,14 @@ class BatchRing:
             # owner dies) at a fraction of the cost, since finalize also registers itself for interpreter exit.
             ref = weakref.ref(owner, self._released)
             self._releases[id(ref)] = (ref, on_release)
-        raw = torch.from_numpy(owner)
+        # Each view is cut in numpy (a slice of the owner keeps it as its base) and then wrapped by torch: a
+        # quarter of the cost of slicing and viewing a torch tensor of the owner, per field and batch.
         batch: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.num_groups)]
-        for group, key, start, end, dtype, shape in self._cuts:
-            batch[group][key] = raw[start:end].view(dtype).view(shape)
-        batch[0][INDEX_KEY] = raw[self.index_offset : self.index_offset + self.bs * 8].view(torch.int64)
+        for group, key, start, end, np_dtype, torch_dtype, shape in self._cuts:
+            field = torch.from_numpy(owner[start:end].view(np_dtype).reshape(shape))
+            batch[group][key] = field if torch_dtype is None else field.view(torch_dtype)
+        index = owner[self.index_offset : self.index_offset + self.bs * 8].view(np.int64)
+        batch[0][INDEX_KEY] = torch.from_numpy(index)
         return batch
 
     def _released(self, ref: weakref.ref[Any]) -> None:
