@@ -163,10 +163,12 @@ class SlotTable:
         self._jids[:n] = ids
         if aux is not None:
             self._jaux[:n] = aux
-        self._header[3:5] = (op, pid)
-        self._header[2] = n  # the commit point: from here on the op happens, even if we die
+        header = self._header
+        header[3] = op  # two scalar stores: a slice store from a tuple converts it to an array first
+        header[4] = pid
+        header[2] = n  # the commit point: from here on the op happens, even if we die
         self._apply(op, pid, ids, aux)
-        self._header[2] = 0
+        header[2] = 0
 
     def _roll_forward(self) -> None:
         n, op, pid = (int(x) for x in self._header[2:5])
@@ -186,8 +188,10 @@ class SlotTable:
             self.version[ids] = aux
             self._header[5] = max(int(self._header[5]), int(aux.max()))
             state[ids[old == WRITING]] = FULL
-        elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
-            state[ids[old == READING]] = FULL if op == _RELEASE_KEEP else EMPTY
+        elif op == _RELEASE_EVICT:
+            state[ids[old >= READING]] = EMPTY  # READING or READING_EVICT, the two highest states
+        elif op == _RELEASE_KEEP:
+            state[ids[old == READING]] = FULL
             state[ids[old == READING_EVICT]] = EMPTY
         elif op == _EVICT:
             state[ids[old == FULL]] = EMPTY
@@ -199,15 +203,20 @@ class SlotTable:
             raise AssertionError(f"unknown slot table op {op} in the journal")
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
-        given: SlotIds = np.asarray(ids, dtype=np.int32).reshape(-1)
-        # One comparison per state instead of np.isin, which sorts or builds a table per call (it dominated the
-        # commits and releases of small batches).
-        held = self.holder[given] == pid
+        given: SlotIds = np.asarray(ids, dtype=np.int32)
+        if given.ndim != 1:
+            given = given.reshape(-1)
+        # Comparisons instead of np.isin, which sorts or builds a table per call (it dominated the commits and
+        # releases of small batches); reading and reading-then-evict are the two highest states: one comparison.
         now = self.state[given]
-        in_state = now == states[0]
-        for other in states[1:]:
-            in_state |= now == other
-        mine: SlotIds = given[in_state & held]
+        if states == (READING, READING_EVICT):
+            in_state = now >= READING
+        else:
+            in_state = now == states[0]
+            for other in states[1:]:
+                in_state |= now == other
+        in_state &= self.holder[given] == pid
+        mine: SlotIds = given[in_state]
         return mine
 
     # -- writers ---------------------------------------------------------------------------------------------
