@@ -22,8 +22,15 @@ Why a kill at any instruction loses no slot and blocks nobody:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Counts are derived from ``state`` (``bincount`` under the lock), never stored, so they cannot drift.
+- Counts are derived from ``state`` (``count_nonzero`` under the lock), never stored, so they cannot drift.
 A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
+
+What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
+the op's slot ids, never a sort and never a pass over the whole table except ``count_nonzero`` of the full slots
+in a draw. ``acquire_empty`` scans forward from where this process's last search stopped, so it finds its slots
+in the first few hundred states; ``draw_full`` samples by rejection and drops repeated ids with a scratch array
+private to the process. The hot ops take the lock with ``_acquire``/``_release`` rather than the generator
+context manager ``_locked`` (a few microseconds per use).
 """
 
 from __future__ import annotations
