@@ -58,6 +58,16 @@ _HEADER = 64  # int64 words: magic, slots, journal length, op, pid, version cloc
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
+# This process's pid, kept current across os.fork() by the hook below: os.getpid() is a system call, and every
+# lock acquisition compares it with the pid that opened the lock description (5% of a writer's time here).
+_pid = [os.getpid()]
+
+
+def _note_fork() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
@@ -137,14 +147,14 @@ class SlotTable:
     def _acquire(self) -> None:
         self._thread_lock.acquire()
         try:
-            if self._lock_pid != os.getpid():  # a forked child must open its own description
+            if self._lock_pid != _pid[0]:  # a forked child must open its own description
                 inherited = self._finalizer.detach()
                 if inherited is not None:  # the parent's description: holding it could keep the parent's lock
                     _close_fd(inherited[2][0])
                 if self.memory.fd is None:
                     raise ValueError("the slot table is closed")
                 self._lock_fd = os.open(f"/proc/self/fd/{self.memory.fd}", os.O_RDWR | os.O_CLOEXEC)
-                self._lock_pid = os.getpid()
+                self._lock_pid = _pid[0]
                 self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         except BaseException:
@@ -193,7 +203,7 @@ class SlotTable:
             if aux is None:
                 raise AssertionError("a commit without versions")
             self.version[ids] = aux
-            self._header[5] = max(int(self._header[5]), int(aux.max()))
+            self._header[5] = max(int(self._header[5]), int(aux[-1]))  # commit_written's versions ascend
             state[ids[old == WRITING]] = FULL
         elif op == _RELEASE_EVICT:
             state[ids[old >= READING]] = EMPTY  # READING or READING_EVICT, the two highest states
@@ -239,22 +249,26 @@ class SlotTable:
 
     def _first_empty(self, n: int) -> SlotIds:
         # Up to n empty slots, the first ones found scanning forward from where this process last stopped (and
-        # wrapping around), in growing windows. Readers empty slots uniformly at random while a writer fills the
+        # wrapping around). Readers empty slots uniformly at random while a writer fills the
         # ones after its cursor, so the slots just ahead of the cursor are the ones emptied longest ago: the
         # first window usually holds n of them, instead of a scan of the whole table per chunk. From an empty
         # table this fills slots in order, as a scan from slot 0 would.
         state, slots = self.state, self.slots
         found: list[npt.NDArray[np.intp]] = []
-        got, start, scanned, width = 0, self._cursor % slots, 0, 2 * n + 256
-        lo = start
-        while got < n and scanned < slots:
-            hi = min(slots, lo + width, lo + slots - scanned)
+        # Windows: a first one of about what the steady state needs, then the rest up to the end of the table,
+        # then its start up to the cursor (a nearly full table is scanned in at most three numpy calls).
+        start = self._cursor % slots
+        first = min(slots, start + 2 * n + 256)
+        got = 0
+        for lo, hi in ((start, first), (first, slots), (0, start)):
+            if got >= n:
+                break
+            if hi <= lo:
+                continue
             part = np.flatnonzero(state[lo:hi] == EMPTY)
             if len(part):
                 found.append(part + lo if lo else part)
                 got += len(part)
-            scanned += hi - lo
-            lo, width = (0 if hi == slots else hi), 2 * width
         if not found:
             return _NO_IDS
         ids: SlotIds = (found[0] if len(found) == 1 else np.concatenate(found))[:n].astype(np.int32)
