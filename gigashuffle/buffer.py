@@ -121,7 +121,7 @@ class SlotBuffer:
         ids = slot_ids.numpy() if isinstance(slot_ids, torch.Tensor) else slot_ids
         end = start + len(ids)
         for region, wide_region, src in zip(self._np_regions, self._np_wide_regions, rows, strict=True):
-            part = src[start:end]
+            part = src if start == 0 and end == len(src) else src[start:end]
             wide_part = wide(part).numpy()
             # Same dtype on both sides, so the assignment is a plain copy, never a value conversion; a chunk
             # slice whose offset does not allow the wide view is copied as bytes.

@@ -143,7 +143,13 @@ class Layout:
                     f"{spec.label} has {tensor.shape[0]} rows but the chunk's earlier fields have {rows}: "
                     "every field of a chunk must share its first dimension"
                 )
-            as_bytes.append(tensor.contiguous().view(torch.uint8).reshape(rows, spec.row_bytes))
+            # Only the steps this tensor needs: each torch call costs about a microsecond, per field and chunk.
+            raw = tensor if tensor.is_contiguous() else tensor.contiguous()
+            if raw.dtype != torch.uint8:
+                raw = raw.view(torch.uint8)
+            if raw.dim() != 2 or raw.shape[1] != spec.row_bytes:
+                raw = raw.reshape(rows, spec.row_bytes)
+            as_bytes.append(raw)
         return rows or 0, as_bytes
 
 
@@ -164,7 +170,7 @@ def _check_groups(chunk: object) -> Sequence[dict[str, Any]]:
 def _as_tensor(value: object, group: int, key: str) -> torch.Tensor:
     if type(value) is torch.Tensor and value.dtype in _SUPPORTED_DTYPES and value.dim() and value.is_cpu:
         # The common case, checked per field of every chunk: nothing to explain, skip building messages.
-        return value.detach()
+        return value.detach() if value.requires_grad else value
     label = f"chunk[{group}][{key!r}]"
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS:
