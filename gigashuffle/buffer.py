@@ -145,6 +145,18 @@ class SlotBuffer:
         self.memory.close()
 
 
+# The batches handed out and not yet released: id of the weak reference to each batch's owner array -> (that
+# reference, its callback). Module-level, as weakref.finalize's registry is, so that a callback still runs when
+# the ring object that made the batch is gone first (a pinned ring's release must still reach its queue).
+_RELEASES: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
+
+
+def _released(ref: weakref.ref[Any]) -> None:
+    entry = _RELEASES.pop(id(ref), None)
+    if entry is not None:
+        entry[1]()
+
+
 def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
     """The numpy dtype to cut a field of ``dtype`` as, and the torch dtype to view it as then (None: as cut)."""
     try:
@@ -177,9 +189,6 @@ class BatchRing:
             (spec.group, spec.key, off, off + bs * spec.row_bytes, *_numpy_cut(spec.dtype), (bs, *spec.shape))
             for off, spec in zip(offsets, layout.fields, strict=True)
         ]
-        # The batches handed out: id of the weak reference to each batch's owner array -> (that reference, the
-        # callback). Holding the reference keeps its callback armed.
-        self._releases: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
 
     def regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Writable byte regions of ring slot ``k`` (one per field) and its int64 index tensor."""
@@ -214,8 +223,8 @@ class BatchRing:
         if on_release is not None:
             # A weak reference with a callback rather than weakref.finalize: the same guarantee (it runs when the
             # owner dies) at a fraction of the cost, since finalize also registers itself for interpreter exit.
-            ref = weakref.ref(owner, self._released)
-            self._releases[id(ref)] = (ref, on_release)
+            ref = weakref.ref(owner, _released)
+            _RELEASES[id(ref)] = (ref, on_release)
         # Each view is cut in numpy (a slice of the owner keeps it as its base) and then wrapped by torch: a
         # quarter of the cost of slicing and viewing a torch tensor of the owner, per field and batch.
         batch: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.num_groups)]
@@ -225,11 +234,6 @@ class BatchRing:
         index = owner[self.index_offset : self.index_offset + self.bs * 8].view(np.int64)
         batch[0][INDEX_KEY] = torch.from_numpy(index)
         return batch
-
-    def _released(self, ref: weakref.ref[Any]) -> None:
-        entry = self._releases.pop(id(ref), None)
-        if entry is not None:
-            entry[1]()
 
     def close(self) -> None:
         self._regions.clear()
