@@ -27,10 +27,11 @@ A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
 
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
 the op's slot ids, never a sort and never a pass over the whole table except ``count_nonzero`` of the full slots
-in a draw. ``acquire_empty`` scans forward from where this process's last search stopped, so it finds its slots
-in the first few hundred states; ``draw_full`` samples by rejection and drops repeated ids with a scratch array
-private to the process. The hot ops take the lock with ``_acquire``/``_release`` rather than the generator
-context manager ``_locked`` (a few microseconds per use).
+in a draw. ``acquire_empty`` scans forward from where this process's last search stopped, so it usually finds
+its slots in the first few hundred states (a nearly full table takes at most three numpy calls); ``draw_full``
+samples by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the
+lock with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds
+per use).
 """
 
 from __future__ import annotations
