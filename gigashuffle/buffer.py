@@ -7,7 +7,9 @@ processes get it by fd passing (SCM_RIGHTS, see ``attach.py``), which is the mec
 ``file_descriptor`` sharing strategy uses, without pickling tensors over the socket.
 
 Each field is stored as raw bytes, ``uint8 [rows, row_bytes]``, so writing a chunk and gathering a batch are one
-``index_copy_``/``index_select`` per field for every dtype (bfloat16, bool and float8 included).
+vectorized copy per field for every dtype (bfloat16, bool and float8 included): a numpy fancy assignment of whole
+rows into the slots (numpy copies each row as a block; torch's ``index_copy_`` moves one element at a time, 3-4x
+slower on 8 KB rows) and a torch ``index_select`` out of them (a ``memcpy`` per row).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .schema import INDEX_KEY, Layout
@@ -33,9 +36,10 @@ def _align(n: int) -> int:
 def wide(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (``uint8 [n, row_bytes]``) as the widest integer type that tiles a row.
 
-    torch's ``index_copy_`` moves one element at a time: on 8-byte elements it is 5-10x faster than on bytes
-    (measured: 64 rows of 150 KB, 26 ms as uint8, 2.5 ms as int64). A tensor whose offset does not allow the
-    wider view (a user's odd slice) stays as bytes.
+    Copies move elements, so wider ones are fewer moves: torch's ``index_copy_`` was 5-10x faster on 8-byte
+    elements than on bytes (64 rows of 150 KB, 26 ms as uint8, 2.5 ms as int64), and numpy's row assignment in
+    ``SlotBuffer.write`` still 1.5x (1.0 ms vs 0.68 ms). A tensor whose offset does not allow the wider view (a
+    user's odd slice) stays as bytes.
     """
     for dtype in (torch.int64, torch.int32, torch.int16):
         if rows.shape[-1] % dtype.itemsize == 0:
@@ -106,17 +110,25 @@ class SlotBuffer:
             self.memory.view(off, slots * spec.row_bytes).view(slots, spec.row_bytes)
             for off, spec in zip(offsets, layout.fields, strict=True)
         ]
-        self._wide_regions = [wide(region) for region in self.regions]
+        # Numpy views of each region, as bytes and as the widest integer that tiles a row (see write()).
+        self._np_regions = [region.numpy() for region in self.regions]
+        self._np_wide_regions = [wide(region).numpy() for region in self.regions]
 
-    def write(self, slot_ids: torch.Tensor, rows: Sequence[torch.Tensor], start: int) -> None:
+    def write(
+        self, slot_ids: torch.Tensor | npt.NDArray[np.integer[Any]], rows: Sequence[torch.Tensor], start: int
+    ) -> None:
         """Copy ``rows[f][start : start + len(slot_ids)]`` into the given slots, one op per field."""
-        end = start + len(slot_ids)
-        for region, wide_region, src in zip(self.regions, self._wide_regions, rows, strict=True):
-            part = wide(src[start:end])
-            if part.dtype == wide_region.dtype:
-                wide_region.index_copy_(0, slot_ids, part)
+        ids = slot_ids.numpy() if isinstance(slot_ids, torch.Tensor) else slot_ids
+        end = start + len(ids)
+        for region, wide_region, src in zip(self._np_regions, self._np_wide_regions, rows, strict=True):
+            part = src if start == 0 and end == len(src) else src[start:end]
+            wide_part = wide(part).numpy()
+            # Same dtype on both sides, so the assignment is a plain copy, never a value conversion; a chunk
+            # slice whose offset does not allow the wide view is copied as bytes.
+            if wide_part.dtype == wide_region.dtype:
+                wide_region[ids] = wide_part
             else:
-                region.index_copy_(0, slot_ids, src[start:end])
+                region[ids] = part.numpy()
 
     def gather(self, slot_ids: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
         """Copy the given slots into ``out`` (one ``[len(slot_ids), row_bytes]`` tensor per field)."""
@@ -128,8 +140,29 @@ class SlotBuffer:
 
     def close(self) -> None:
         self.regions = []
-        self._wide_regions = []
+        self._np_regions = []
+        self._np_wide_regions = []
         self.memory.close()
+
+
+# The batches handed out and not yet released: id of the weak reference to each batch's owner array -> (that
+# reference, its callback). Module-level, as weakref.finalize's registry is, so that a callback still runs when
+# the ring object that made the batch is gone first (a pinned ring's release must still reach its queue).
+_RELEASES: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
+
+
+def _released(ref: weakref.ref[Any]) -> None:
+    entry = _RELEASES.pop(id(ref), None)
+    if entry is not None:
+        entry[1]()
+
+
+def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
+    """The numpy dtype to cut a field of ``dtype`` as, and the torch dtype to view it as then (None: as cut)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype, None
+    except TypeError:  # no numpy equivalent (bfloat16, float8): cut as the unsigned int of the same size
+        return np.dtype(f"u{dtype.itemsize}"), dtype
 
 
 class BatchRing:
@@ -148,6 +181,14 @@ class BatchRing:
         self.nbytes = self.slot_bytes * depth
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        # What batch() cuts out of a ring slot, worked out once (batch() runs once per delivered batch in the
+        # trainer): per field its group, key, byte range, the numpy dtype it is cut as, its row shape, and the torch
+        # dtype to view it as afterwards when numpy has no such dtype (bfloat16, float8: cut as same-size ints).
+        self._cuts = [
+            (spec.group, spec.key, off, off + bs * spec.row_bytes, *_numpy_cut(spec.dtype), (bs, *spec.shape))
+            for off, spec in zip(offsets, layout.fields, strict=True)
+        ]
 
     def regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Writable byte regions of ring slot ``k`` (one per field) and its int64 index tensor."""
@@ -166,25 +207,35 @@ class BatchRing:
 
     def versions(self, k: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The int64 versions of ring slot ``k``'s rows, one per index."""
-        return self.memory.numpy_view(k * self.slot_bytes + self.versions_offset, self.bs * 8).view(np.int64)
+        found = self._versions.get(k)
+        if found is None:
+            raw = self.memory.numpy_view(k * self.slot_bytes + self.versions_offset, self.bs * 8)
+            found = self._versions[k] = raw.view(np.int64)
+        return found
 
     def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
         """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.
 
-        All views share one storage whose owner is a fresh numpy array; ``on_release`` runs when the last view
-        (or any view derived from it) is gone, which is when the ring slot may be overwritten.
+        Every view keeps one fresh numpy array alive, the owner of the slot's bytes; ``on_release`` runs when the
+        last view (or any view derived from it) is gone, which is when the ring slot may be overwritten.
         """
         owner = self.memory.numpy_view(k * self.slot_bytes, self.slot_bytes)
         if on_release is not None:
-            weakref.finalize(owner, on_release)
-        raw = torch.from_numpy(owner)
+            # A weak reference with a callback rather than weakref.finalize: the same guarantee (it runs when the
+            # owner dies) at a fraction of the cost, since finalize also registers itself for interpreter exit.
+            ref = weakref.ref(owner, _released)
+            _RELEASES[id(ref)] = (ref, on_release)
+        # Each view is cut in numpy (a slice of the owner keeps it as its base) and then wrapped by torch: a
+        # quarter of the cost of slicing and viewing a torch tensor of the owner, per field and batch.
         batch: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.num_groups)]
-        for off, spec in zip(self.field_offsets, self.layout.fields, strict=True):
-            field = raw[off : off + self.bs * spec.row_bytes].view(spec.dtype)
-            batch[spec.group][spec.key] = field.view(self.bs, *spec.shape)
-        batch[0][INDEX_KEY] = raw[self.index_offset : self.index_offset + self.bs * 8].view(torch.int64)
+        for group, key, start, end, np_dtype, torch_dtype, shape in self._cuts:
+            field = torch.from_numpy(owner[start:end].view(np_dtype).reshape(shape))
+            batch[group][key] = field if torch_dtype is None else field.view(torch_dtype)
+        index = owner[self.index_offset : self.index_offset + self.bs * 8].view(np.int64)
+        batch[0][INDEX_KEY] = torch.from_numpy(index)
         return batch
 
     def close(self) -> None:
         self._regions.clear()
+        self._versions.clear()
         self.memory.close()

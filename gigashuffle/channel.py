@@ -2,11 +2,19 @@
 
 Used between a trainer and its own children (socketpairs that only our process tree holds, so pickle is safe
 there) and, with JSON payloads, on the attach socket.
+
+NOTE [ Per-batch messages ]
+``BatchReady(k)`` and ``FreeSlot(k)`` cross once per batch each way and only ever name a ring slot, so there are
+``ring_depth`` distinct ones per reader. Pickling a dataclass costs a few microseconds (more than the send), so
+``send`` reuses the pickle of an equal message sent before and ``recv`` the object unpickled from an equal payload
+before; both types are frozen (immutable, compared by value), so a shared instance is indistinguishable from a
+fresh one. Other messages (contexts, states: arbitrary and possibly mutable objects) are pickled every time.
 """
 
 from __future__ import annotations
 
 import array
+import math
 import pickle
 import select
 import socket
@@ -14,8 +22,14 @@ import struct
 import threading
 from typing import Any
 
+from .messages import BatchReady, FreeSlot
+
 _HEADER = struct.Struct("<QB")  # payload length, number of fds
 _MAX_FDS = 16
+_REUSED = (BatchReady, FreeSlot)  # see NOTE [ Per-batch messages ]
+_MAX_REUSED = 4096  # a bound on the caches below (ring slots are few; this only guards against misuse)
+_pickled: dict[Any, bytes] = {}
+_unpickled: dict[bytes, Any] = {}
 
 
 class ChannelClosed(EOFError):
@@ -28,6 +42,8 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
+        self._poller = select.poll()
+        self._polled_fd = -1  # the fd _poller watches (-1: none yet)
 
     @classmethod
     def pair(cls) -> tuple[Channel, Channel]:
@@ -74,15 +90,38 @@ class Channel:
         return b"".join(parts)
 
     def send(self, obj: Any, fds: tuple[int, ...] = ()) -> None:
-        self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), fds)
+        if type(obj) in _REUSED:
+            payload = _pickled.get(obj)
+            if payload is None:
+                payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                if len(_pickled) < _MAX_REUSED:
+                    _pickled[obj] = payload
+        else:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send_bytes(payload, fds)
 
     def recv(self) -> tuple[Any, list[int]]:
         payload, fds = self.recv_bytes()
-        return pickle.loads(payload), fds
+        obj = _unpickled.get(payload)
+        if obj is None:
+            obj = pickle.loads(payload)
+            if type(obj) in _REUSED and len(_unpickled) < _MAX_REUSED:
+                _unpickled[payload] = obj
+        return obj, fds
 
     def poll(self, timeout: float | None) -> bool:
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        return bool(ready)
+        # A poll object registered once: half the cost of select.select, which builds its fd sets on every call
+        # (several polls per batch on each side). Re-registered if the socket's fd changed; a closed socket goes
+        # to select, which raises as before.
+        fd = self.sock.fileno()
+        if fd != self._polled_fd:
+            if fd < 0:
+                ready, _, _ = select.select([self.sock], [], [], timeout)
+                return bool(ready)
+            self._poller = select.poll()
+            self._poller.register(fd, select.POLLIN)
+            self._polled_fd = fd
+        return bool(self._poller.poll(-1 if timeout is None else math.ceil(timeout * 1000)))
 
     def close(self) -> None:
         self.sock.close()

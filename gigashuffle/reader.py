@@ -88,6 +88,7 @@ def run(spec: ChildSpec, channel: Channel) -> None:
 def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
     cfg = env.config
     me = os.getpid()
+    bs, min_full, evict = cfg.bs, cfg.min_full_slots, cfg.evict_on_read  # min_full_slots is computed per access
     free: deque[int] = deque(range(ring.depth))
     backoff = Backoff()
     chores = Housekeeping(env)
@@ -96,14 +97,14 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
         chores.tick()
         if not free:
             continue
-        slots, versions = table.draw_full(me, cfg.bs, cfg.min_full_slots)
+        slots, versions = table.draw_full(me, bs, min_full)
         if len(slots) == 0:
             backoff.sleep()
             continue
         backoff.reset()
         k = free.popleft()
         _gather(buffer, ring, k, slots, versions)
-        if table.release_read(me, slots, cfg.evict_on_read) != len(slots):
+        if table.release_read(me, slots, evict) != len(slots):
             raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
         chores.read += len(slots)
         env.channel.send(BatchReady(k))

@@ -22,8 +22,16 @@ Why a kill at any instruction loses no slot and blocks nobody:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Counts are derived from ``state`` (``bincount`` under the lock), never stored, so they cannot drift.
+- Counts are derived from ``state`` (``count_nonzero`` under the lock), never stored, so they cannot drift.
 A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
+
+What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
+the op's slot ids, never a sort and never a pass over the whole table except ``count_nonzero`` of the full slots
+in a draw. ``acquire_empty`` scans forward from where this process's last search stopped, so it usually finds
+its slots in the first few hundred states (a nearly full table takes at most three numpy calls); ``draw_full``
+samples by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the
+lock with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds
+per use).
 """
 
 from __future__ import annotations
@@ -51,6 +59,16 @@ _HEADER = 64  # int64 words: magic, slots, journal length, op, pid, version cloc
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
+# This process's pid, kept current across os.fork() by the hook below: os.getpid() is a system call, and every
+# lock acquisition compares it with the pid that opened the lock description (5% of a writer's time here).
+_pid = [os.getpid()]
+
+
+def _note_fork() -> None:
+    _pid[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
@@ -105,6 +123,8 @@ class SlotTable:
         elif self._header[0] != _MAGIC or self._header[1] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
         self._rng = np.random.default_rng(seed)
+        self._seen: npt.NDArray[np.int32] | None = None  # _sample_full's scratch, private to this process
+        self._cursor = 0  # where this process's next search for empty slots starts (_first_empty)
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing our description
         self._lock_fd = -1
         self._lock_pid = -1
@@ -117,23 +137,42 @@ class SlotTable:
     # -- locking and the journal -----------------------------------------------------------------------------
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        with self._thread_lock:
-            if self._lock_pid != os.getpid():  # a forked child must open its own description
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    # The hot transitions call _acquire/_release in try/finally instead of ``with self._locked()``: a generator
+    # context manager costs a few microseconds per use, several times per batch.
+    def _acquire(self) -> None:
+        self._thread_lock.acquire()
+        try:
+            if self._lock_pid != _pid[0]:  # a forked child must open its own description
                 inherited = self._finalizer.detach()
                 if inherited is not None:  # the parent's description: holding it could keep the parent's lock
                     _close_fd(inherited[2][0])
                 if self.memory.fd is None:
                     raise ValueError("the slot table is closed")
                 self._lock_fd = os.open(f"/proc/self/fd/{self.memory.fd}", os.O_RDWR | os.O_CLOEXEC)
-                self._lock_pid = os.getpid()
+                self._lock_pid = _pid[0]
                 self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            try:
-                if self._header[2]:
-                    self._roll_forward()
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        try:
+            if self._header[2]:
+                self._roll_forward()
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
 
     def _commit(self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None) -> None:
         n = len(ids)
@@ -142,10 +181,12 @@ class SlotTable:
         self._jids[:n] = ids
         if aux is not None:
             self._jaux[:n] = aux
-        self._header[3:5] = (op, pid)
-        self._header[2] = n  # the commit point: from here on the op happens, even if we die
+        header = self._header
+        header[3] = op  # two scalar stores: a slice store from a tuple converts it to an array first
+        header[4] = pid
+        header[2] = n  # the commit point: from here on the op happens, even if we die
         self._apply(op, pid, ids, aux)
-        self._header[2] = 0
+        header[2] = 0
 
     def _roll_forward(self) -> None:
         n, op, pid = (int(x) for x in self._header[2:5])
@@ -163,10 +204,12 @@ class SlotTable:
             if aux is None:
                 raise AssertionError("a commit without versions")
             self.version[ids] = aux
-            self._header[5] = max(int(self._header[5]), int(aux.max()))
+            self._header[5] = max(int(self._header[5]), int(aux[-1]))  # commit_written's versions ascend
             state[ids[old == WRITING]] = FULL
-        elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
-            state[ids[old == READING]] = FULL if op == _RELEASE_KEEP else EMPTY
+        elif op == _RELEASE_EVICT:
+            state[ids[old >= READING]] = EMPTY  # READING or READING_EVICT, the two highest states
+        elif op == _RELEASE_KEEP:
+            state[ids[old == READING]] = FULL
             state[ids[old == READING_EVICT]] = EMPTY
         elif op == _EVICT:
             state[ids[old == FULL]] = EMPTY
@@ -178,59 +221,121 @@ class SlotTable:
             raise AssertionError(f"unknown slot table op {op} in the journal")
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
-        given: SlotIds = np.asarray(ids, dtype=np.int32).reshape(-1)
-        mine: SlotIds = given[np.isin(self.state[given], states) & (self.holder[given] == pid)]
+        given: SlotIds = np.asarray(ids, dtype=np.int32)
+        if given.ndim != 1:
+            given = given.reshape(-1)
+        # Comparisons instead of np.isin, which sorts or builds a table per call (it dominated the commits and
+        # releases of small batches); reading and reading-then-evict are the two highest states: one comparison.
+        now = self.state[given]
+        if states == (READING, READING_EVICT):
+            in_state = now >= READING
+        else:
+            in_state = now == states[0]
+            for other in states[1:]:
+                in_state |= now == other
+        in_state &= self.holder[given] == pid
+        mine: SlotIds = given[in_state]
         return mine
 
     # -- writers ---------------------------------------------------------------------------------------------
     def acquire_empty(self, pid: int, n: int) -> SlotIds:
         """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
-        with self._locked():
-            ids = np.flatnonzero(self.state == EMPTY)[:n].astype(np.int32)
+        self._acquire()
+        try:
+            ids = self._first_empty(n)
             self._commit(_ACQUIRE, pid, ids)
+        finally:
+            self._release()
+        return ids
+
+    def _first_empty(self, n: int) -> SlotIds:
+        # Up to n empty slots, the first ones found scanning forward from where this process last stopped (and
+        # wrapping around). Readers empty slots uniformly at random while a writer fills the
+        # ones after its cursor, so the slots just ahead of the cursor are the ones emptied longest ago: the
+        # first window usually holds n of them, instead of a scan of the whole table per chunk. From an empty
+        # table this fills slots in order, as a scan from slot 0 would.
+        state, slots = self.state, self.slots
+        found: list[npt.NDArray[np.intp]] = []
+        # Windows: a first one of about what the steady state needs, then the rest up to the end of the table,
+        # then its start up to the cursor (a nearly full table is scanned in at most three numpy calls).
+        start = self._cursor % slots
+        first = min(slots, start + 2 * n + 256)
+        got = 0
+        for lo, hi in ((start, first), (first, slots), (0, start)):
+            if got >= n:
+                break
+            if hi <= lo:
+                continue
+            part = np.flatnonzero(state[lo:hi] == EMPTY)
+            if len(part):
+                found.append(part + lo if lo else part)
+                got += len(part)
+        if not found:
+            return _NO_IDS
+        ids: SlotIds = (found[0] if len(found) == 1 else np.concatenate(found))[:n].astype(np.int32)
+        self._cursor = int(ids[-1]) + 1
         return ids
 
     def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
         """Publish slots ``pid`` wrote (each gets a new version); returns how many it still held."""
-        with self._locked():
+        self._acquire()
+        try:
             mine = self._held(pid, ids, (WRITING,))
             clock = int(self._header[5])
             self._commit(_COMMIT, pid, mine, np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64))
+        finally:
+            self._release()
         return len(mine)
 
     # -- readers ---------------------------------------------------------------------------------------------
     def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
         """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
         than ``max(n, min_full)`` slots are full."""
-        with self._locked():
+        self._acquire()
+        try:
             full = int(np.count_nonzero(self.state == FULL))
             if n <= 0 or full < max(n, min_full):
                 return _NO_IDS, _NO_VERSIONS
             ids = self._sample_full(n, full)
-            versions = self.version[ids].copy()
+            versions = self.version[ids]  # fancy indexing: already a copy
             self._commit(_DRAW, pid, ids)
+        finally:
+            self._release()
         return ids, versions
 
     def _sample_full(self, n: int, full: int) -> SlotIds:
         if full < _SCAN_BELOW * self.slots:
             candidates = np.flatnonzero(self.state == FULL)
             return self._rng.choice(candidates, n, replace=False).astype(np.int32)
-        # Rejection sampling: every accepted id is uniform over the full slots not yet taken, so the batch is a
-        # uniform random subset. ~n / acceptance draws, acceptance >= _SCAN_BELOW.
+        # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. Which
+        # copy of a repeat survives depends only on positions in the draw, never on slot ids, so the n kept form a
+        # uniform random subset of the full slots. ~n / acceptance draws, acceptance >= _SCAN_BELOW.
+        # Repeats are found with a private scratch array (last position written per slot) instead of np.unique,
+        # which sorts: this runs under the node lock.
+        if self._seen is None:
+            self._seen = np.zeros(self.slots, dtype=np.int32)
+        seen = self._seen
         taken = _NO_IDS
         while len(taken) < n:
-            tries = self._rng.integers(0, self.slots, size=2 * (n - len(taken)) * self.slots // full + 8)
+            draws = (n - len(taken)) * self.slots // full * 5 // 4 + 16
+            # random() scaled rather than integers(), which costs twice as much for these sizes: exact for a
+            # power-of-two table, else each id's probability is off by less than slots / 2**53.
+            tries = (self._rng.random(draws) * self.slots).astype(np.int32)
             hits = tries[self.state[tries] == FULL]
-            merged = np.concatenate([taken, hits.astype(np.int32)])
-            _, first = np.unique(merged, return_index=True)
-            taken = merged[np.sort(first)][:n]
+            merged = np.concatenate([taken, hits]) if len(taken) else hits
+            positions = np.arange(len(merged), dtype=np.int32)
+            seen[merged] = positions
+            taken = merged[seen[merged] == positions][:n]
         return taken
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
-        with self._locked():
+        self._acquire()
+        try:
             mine = self._held(pid, ids, (READING, READING_EVICT))
             self._commit(_RELEASE_EVICT if evict else _RELEASE_KEEP, pid, mine)
+        finally:
+            self._release()
         return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None) -> int:
@@ -262,10 +367,11 @@ class SlotTable:
         return len(ids)
 
     def snapshot(self) -> TableSnapshot:
+        # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
         with self._locked():
-            counts = np.bincount(self.state, minlength=5)
-        return TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
-                             int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
+            state = self.state
+            empty, writing, full = (int(np.count_nonzero(state == s)) for s in (EMPTY, WRITING, FULL))
+        return TableSnapshot(empty, writing, full, self.slots - empty - writing - full)
 
     def close(self) -> None:
         """Drop this process's lock description and mapping (live numpy views keep the mapping)."""

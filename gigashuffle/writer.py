@@ -2,7 +2,7 @@
 
 NOTE [ Writer cycle ]
 Per piece of a chunk: ``acquire_empty`` takes up to that many empty slots in the slot table (they become
-``writing`` under this pid), the rows are copied with one ``index_copy_`` per field without any lock held, and
+``writing`` under this pid), the rows are copied with one row assignment per field without any lock held, and
 ``commit_written`` publishes them (``full``, each with a new version) at once: a dataset that waits for data, or
 has none left, never keeps rows it wrote invisible. Two lock round trips per piece, no Redis. When nothing is
 empty the writer backs off from 0.5 ms and meanwhile answers the trainer's messages. A writer killed mid-copy
@@ -223,7 +223,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 backoff.sleep()
                 continue
             backoff.reset()
-            buffer.write(torch.from_numpy(slots.astype(np.int64)), as_bytes, done)
+            buffer.write(slots, as_bytes, done)
             if table.commit_written(me, slots) != len(slots):
                 raise AssertionError(f"writer {me} lost slots it was writing (repaired as a dead holder's?)")
             done += len(slots)
