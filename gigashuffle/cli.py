@@ -75,7 +75,7 @@ def sample(client: Client, server: str = "") -> list[Sample]:
         keys = store.keys
         written, read = store.counters()
         at = time.monotonic()
-        stats = store.stats()  # slot counts as the node's processes last flushed them (about once a second)
+        stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (about once a second)
         size = int(store.meta().get("slots", b"0"))
         ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
         row = {
@@ -113,14 +113,14 @@ def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
 
 def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
     """One row per queue and node found on the server; rates are measured over ``interval_s`` (0: none), or longer
-    until every queue's written and read counters moved: processes flush them every ``FLUSH_PERIOD_S``, so a
-    shorter window may see none. At most ``2.5 * FLUSH_PERIOD_S`` (an idle queue's counters never move)."""
-    from .control import FLUSH_PERIOD_S
+    until every queue's written and read counters moved: trainers record them every ``HEARTBEAT_S``, so a
+    shorter window may see none. At most ``2.5 * HEARTBEAT_S`` (an idle queue's counters never move)."""
+    from .session import HEARTBEAT_S
 
     before = sample(client)
     if not before or interval_s <= 0:
         return with_rates(before, [])
-    longest = time.monotonic() + max(interval_s, 2.5 * FLUSH_PERIOD_S)
+    longest = time.monotonic() + max(interval_s, 2.5 * HEARTBEAT_S)
     time.sleep(interval_s)
     now = sample(client)
     old = {(s.row["queue"], s.row["node"]): s for s in before}

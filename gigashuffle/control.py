@@ -16,8 +16,8 @@ from . import scripts
 from .keys import QueueKeys
 from .redisconn import Client, address, translate_errors
 
-FLUSH_PERIOD_S = 1.0
-"""How often a busy child flushes its counters: a few Redis calls a second per node, never one per batch."""
+NodeCounts = tuple[int, int, int, int, int]
+"""Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table."""
 
 
 def text(value: bytes | str) -> str:
@@ -53,7 +53,6 @@ class ControlPlane:
         self._where = address(client)
         # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT).
         self._seed = client.register_script(scripts.SEED)
-        self._flush = client.register_script(scripts.FLUSH_COUNTERS)
         self._stats = client.register_script(scripts.STATS)
         self._join = client.register_script(scripts.JOIN)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
@@ -70,11 +69,6 @@ class ControlPlane:
         pairs: list[Any] = [x for item in meta.items() for x in item]
         owner = meta.get("owner", b"")
         return bool(self._run(self._seed, [self.keys.gen, self.keys.meta], [self.generation, owner, *pairs]))
-
-    def flush_counters(self, written: int, read: int, full: int, empty: int, in_flight: int) -> None:
-        """Add the rows written and read since the last flush; record the slot counts (about once a second)."""
-        k = self.keys
-        self._run(self._flush, [k.gen, k.counters], [self.generation, written, read, full, empty, in_flight])
 
     def register(self, proc: str, info: dict[str, Any]) -> None:
         with translate_errors(self._where):
@@ -139,10 +133,12 @@ class ControlPlane:
         self.generation = reply[1].decode()
         return JoinResult(self.generation, reply[2].decode(), bool(reply[3]))
 
-    def heartbeat(self, rank: int, token: str, lease_ms: int) -> str | None:
-        """Extend the claim; the server's ``run_id``, or None when the claim or the generation is gone."""
+    def heartbeat(self, rank: int, token: str, lease_ms: int, counts: NodeCounts | None = None) -> str | None:
+        """Extend the claim and record ``counts``; the server's ``run_id``, or None when the claim or the generation
+        is gone."""
         k = self.keys
-        reply = self._run(self._heartbeat, [k.rank(rank), k.gen], [token, lease_ms, self.generation])
+        args = [token, lease_ms, self.generation, *(counts or ())]
+        reply = self._run(self._heartbeat, [k.rank(rank), k.gen, k.counters], args)
         return None if reply == 0 else text(reply)
 
     def release_rank(self, rank: int, other_ranks: list[int], token: str) -> bool:

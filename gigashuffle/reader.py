@@ -106,7 +106,6 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
         _gather(buffer, ring, k, slots, versions)
         if table.release_read(me, slots, evict) != len(slots):
             raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
-        chores.read += len(slots)
         env.channel.send(BatchReady(k))
 
 

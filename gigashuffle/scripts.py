@@ -4,9 +4,9 @@ NOTE [ Control plane ]
 Slots are not here: their state lives in the slot table beside the buffer (NOTE [ Slot table ] in
 ``slottable.py``), so nothing Redis forgets, restores or fails over can contradict it. What Redis keeps is who is
 here and what was agreed: rank claims, the session generation, the shared conf, the buffer's HMAC'd metadata, the
-process registry and counters that processes flush about once a second. Scripts that act for a process of a
-session check its generation (``ARGV[1]`` against ``KEYS[1]``): after a new node session a stale process gets
-``GIGASHUFFLE_STALE``.
+process registry and the node's counts, which each trainer's heartbeat records once a second. Scripts that act for
+a process of a session check its generation (``ARGV[1]`` against ``KEYS[1]``): after a new node session a stale
+process gets ``GIGASHUFFLE_STALE``. In the steady state a node makes one call a second per trainer, none per batch.
 """
 
 from __future__ import annotations
@@ -37,21 +37,6 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[2], unpack(ARGV, 3))
-return 1
-"""
-)
-
-FLUSH_COUNTERS = (
-    _PRELUDE
-    + """
--- KEYS: gen, counters
--- ARGV: gen, rows written since the last flush, rows read since the last flush, then the slot table's
---       full, empty and in-flight counts as this process last saw them
--- Adds a process's counts and records the node's slot counts for ``gigashuffle stats`` (about once a second).
-local err = check_gen(KEYS[1], ARGV[1]); if err then return err end
-redis.call('HINCRBY', KEYS[2], 'written', ARGV[2])
-redis.call('HINCRBY', KEYS[2], 'read', ARGV[3])
-redis.call('HSET', KEYS[2], 'full', ARGV[4], 'empty', ARGV[5], 'in_flight', ARGV[6])
 return 1
 """
 )
@@ -97,13 +82,20 @@ return {'ok', redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]) or '', 0}
 """
 
 HEARTBEAT = """
--- KEYS: my rank, gen
--- ARGV: token, lease ms, gen
--- Extends this trainer's claim. Returns the server's run_id (so that one call a second also notices a restarted,
--- restored or failed-over server), or 0 when the claim or the generation is gone (Redis lost its data or another
--- trainer took the rank). INFO comes after the write: old servers refuse writes after a non-deterministic read.
+-- KEYS: my rank, gen, counters
+-- ARGV: token, lease ms, gen, then optionally the slot table's rows written and read (totals) and its full,
+--       empty and in-flight counts
+-- Extends this trainer's claim and records the node's counts for ``gigashuffle stats`` (absolute values: every
+-- rank of the node may write them). Returns the server's run_id (so that one call a second also notices a
+-- restarted, restored or failed-over server), or 0 when the claim or the generation is gone (Redis lost its data
+-- or another trainer took the rank). INFO comes after the writes: old servers refuse writes after a
+-- non-deterministic read.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if #ARGV >= 8 then
+  redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
+             'in_flight', ARGV[8])
+end
 return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 """
 

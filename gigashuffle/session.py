@@ -22,9 +22,10 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 
 from .config import DataloaderConfig
-from .control import ControlPlane
+from .control import ControlPlane, NodeCounts
 from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError, QueueStateLostError
 from .keys import QueueKeys
 from .redisconn import Client
@@ -69,6 +70,8 @@ class NodeSession:
         self.other_ranks = [r for r in range(first, first + config.local_world_size) if r != config.global_rank]
         self.lost: Exception | None = None
         self.server_id = ""
+        # What the heartbeat records for ``gigashuffle stats``; set by the supervisor once it maps the slot table.
+        self.counts: Callable[[], NodeCounts | None] = lambda: None
         self._left = False
         self._join()
         self._start_heartbeat()
@@ -128,7 +131,8 @@ class NodeSession:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                server_id = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS)
+                counts = self.counts()
+                server_id = self.store.heartbeat(self.config.global_rank, self.token, LEASE_MS, counts)
             except GigashuffleError as exc:
                 self.lost = exc
                 return

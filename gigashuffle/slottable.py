@@ -22,7 +22,9 @@ Why a kill at any instruction loses no slot and blocks nobody:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Counts are derived from ``state`` (``count_nonzero`` under the lock), never stored, so they cannot drift.
+- Counts are derived from ``state`` (``count_nonzero`` under the lock), never stored, so they cannot drift. The
+  two totals of rows written and read (for ``gigashuffle stats``) are stored in the header, but a commit or a
+  release journals the counter's new value and applying it sets that value, so a roll-forward cannot count twice.
 A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
 
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
@@ -54,8 +56,10 @@ SlotIds = npt.NDArray[np.int32]
 Versions = npt.NDArray[np.int64]
 
 EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
-_MAGIC = 0x67735F736C6F7431  # "gs_slot1"
-_HEADER = 64  # int64 words: magic, slots, journal length, op, pid, version clock
+_MAGIC = 0x67735F736C6F7432  # "gs_slot2"
+_HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
+# read, and the journaled new value of the row counter the op moves
+_WRITTEN, _READ, _JCOUNT = 6, 7, 8
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
@@ -184,6 +188,10 @@ class SlotTable:
         header = self._header
         header[3] = op  # two scalar stores: a slice store from a tuple converts it to an array first
         header[4] = pid
+        if op == _COMMIT:  # counters are journaled as their new value, so a roll-forward sets them again
+            header[_JCOUNT] = header[_WRITTEN] + n
+        elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
+            header[_JCOUNT] = header[_READ] + n
         header[2] = n  # the commit point: from here on the op happens, even if we die
         self._apply(op, pid, ids, aux)
         header[2] = 0
@@ -206,11 +214,14 @@ class SlotTable:
             self.version[ids] = aux
             self._header[5] = max(int(self._header[5]), int(aux[-1]))  # commit_written's versions ascend
             state[ids[old == WRITING]] = FULL
+            self._header[_WRITTEN] = self._header[_JCOUNT]
         elif op == _RELEASE_EVICT:
             state[ids[old >= READING]] = EMPTY  # READING or READING_EVICT, the two highest states
+            self._header[_READ] = self._header[_JCOUNT]
         elif op == _RELEASE_KEEP:
             state[ids[old == READING]] = FULL
             state[ids[old == READING_EVICT]] = EMPTY
+            self._header[_READ] = self._header[_JCOUNT]
         elif op == _EVICT:
             state[ids[old == FULL]] = EMPTY
             state[ids[old == READING]] = READING_EVICT
@@ -365,6 +376,12 @@ class SlotTable:
             ids = held[np.isin(holders, gone)]
             self._commit(_REPAIR, 0, ids)
         return len(ids)
+
+    def rows_moved(self) -> tuple[int, int]:
+        """Rows ``(written, read)`` through this table since it was created: committed by writers, released by
+        readers. Kept in the header and set (not added) by journaled ops, so a roll-forward never counts twice."""
+        with self._locked():
+            return int(self._header[_WRITTEN]), int(self._header[_READ])
 
     def snapshot(self) -> TableSnapshot:
         # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).

@@ -45,7 +45,7 @@ from . import embedded
 from .buffer import BatchRing, SharedMemory
 from .channel import ChannelClosed
 from .config import DataloaderConfig
-from .control import ControlPlane
+from .control import ControlPlane, NodeCounts
 from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
 from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
 from .meta import signed_meta, verified_layout
@@ -98,6 +98,7 @@ class Supervisor:
         self._table: SlotTable | None = None
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned (NOTE [ Rejoining ])
         self._secret = node_secret(self.runtime_path)
+        session.counts = self._node_counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
         log.info(
             "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
@@ -322,6 +323,18 @@ class Supervisor:
             self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
             self._keep_meta()
         return self._table
+
+    def _node_counts(self) -> NodeCounts | None:
+        """The slot table's counts for the heartbeat (its thread; the table locks against ours)."""
+        table = self._table
+        if table is None:
+            return None
+        try:
+            written, read = table.rows_moved()
+            stats = table.snapshot().stats()
+        except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
+            return None
+        return written, read, stats.full, stats.empty, stats.in_flight
 
     def _keep_meta(self) -> None:
         """Keep the buffer's metadata, verified, to publish it again after a rejoin (NOTE [ Rejoining ])."""

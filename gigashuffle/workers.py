@@ -19,20 +19,19 @@ from .attach import AttachServer, attach
 from .buffer import SharedMemory, SlotBuffer
 from .channel import Channel
 from .config import DataloaderConfig
-from .control import FLUSH_PERIOD_S, ControlPlane
+from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError
 from .keys import QueueKeys
 from .meta import signed_meta, verified_layout
 from .redisconn import connect
 from .runtime import attach_socket_path, node_secret
 from .schema import Layout
-from .slottable import ShuffleBufferStats, SlotTable, table_nbytes
+from .slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
 
-# Counters are flushed with their own client that gives up quickly: a child whose Redis is down or paused keeps
-# serving rows from the slot table and flushes later, instead of blocking its loop for redis_timeout_s.
-_FLUSH_BUDGET_S = 0.5
+# How often a child returns slots of dead holders (the trainer does so at once for its own children).
+_REPAIR_PERIOD_S = 1.0
 
 
 @dataclass
@@ -86,7 +85,6 @@ class ChildEnv:
         self.client = connect(spec.redis_url, spec.config.redis_timeout_s)
         keys = QueueKeys(spec.config.queue_name, spec.config.node)
         self.store = ControlPlane(self.client, keys, spec.generation)
-        self._flush_store: ControlPlane | None = None
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
         self.buffer: SlotBuffer | None = None
@@ -207,15 +205,6 @@ class ChildEnv:
                 resource.close()
         self.buffer = self.table = None
         self.client.close()
-        if self._flush_store is not None:
-            self._flush_store.client.close()
-
-    def flush_counters(self, written: int, read: int, stats: ShuffleBufferStats) -> None:
-        """Flush through a client that gives up after ``_FLUSH_BUDGET_S`` (made on first use, for the same reason)."""
-        if self._flush_store is None:
-            self._flush_store = ControlPlane(connect(self.spec.redis_url, _FLUSH_BUDGET_S), self.store.keys)
-        self._flush_store.generation = self.store.generation
-        self._flush_store.flush_counters(written, read, stats.full, stats.empty, stats.in_flight)
 
 
 def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[int, int]:
@@ -244,35 +233,21 @@ def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[i
 
 
 class Housekeeping:
-    """What a child does about once a second, off the hot path: repair slots of dead holders, flush counters."""
+    """What a child does about once a second, off the hot path: return the slots of dead holders. No Redis: the
+    trainers' heartbeats record the node's counts (NOTE [ Control plane ] in scripts.py)."""
 
-    def __init__(self, env: ChildEnv, period_s: float = FLUSH_PERIOD_S) -> None:
+    def __init__(self, env: ChildEnv, period_s: float = _REPAIR_PERIOD_S) -> None:
         self.env = env
         self.period_s = period_s
-        self.written = 0
-        self.read = 0
-        self._due = time.monotonic()  # the first tick flushes: stats show the buffer as soon as it exists
+        self._due = time.monotonic() + period_s
 
     def tick(self) -> None:
         if time.monotonic() < self._due:
             return
         self._due = time.monotonic() + self.period_s
         table = self.env.table
-        if table is None:
-            return
-        repaired = table.repair()
-        if repaired:
+        if table is not None and (repaired := table.repair()):
             log.info("returned %d slots of dead processes", repaired)
-        stats = table.snapshot().stats()
-        try:
-            self.env.flush_counters(self.written, self.read, stats)
-        except QueueStateLostError:
-            log.debug("counters not flushed: the session is gone; the trainer's Rejoin names the new one")
-            return
-        except GigashuffleError as exc:
-            log.debug("counters not flushed (%s); trying again in %.1f s", exc, self.period_s)
-            return
-        self.written = self.read = 0
 
 
 def retitle(suffix: str = "", title: str | None = None) -> None:

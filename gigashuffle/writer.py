@@ -227,7 +227,6 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             if table.commit_written(me, slots) != len(slots):
                 raise AssertionError(f"writer {me} lost slots it was writing (repaired as a dead holder's?)")
             done += len(slots)
-        chores.written += rows
         chores.tick()
         _handle_control(env, chunks)
         chunk = chunks.next()

@@ -49,7 +49,6 @@ def test_stale_generation_is_refused(store: ControlPlane, client: Client) -> Non
     stale = ControlPlane(client, KEYS, generation="gen-0")
     calls = {
         "seed": lambda: stale.seed({"layout": "x", "owner": "w9"}),
-        "flush_counters": lambda: stale.flush_counters(5, 5, 1, 2, 3),
     }
     for name, call in calls.items():
         with pytest.raises(QueueStateLostError, match="gen-0") as info:
@@ -62,16 +61,19 @@ def test_state_lost_after_flush_is_refused(store: ControlPlane, client: Client) 
     assert store.seed({"layout": "x", "owner": "w0"})
     client.flushall()
     with pytest.raises(QueueStateLostError, match="Redis was restarted"):
-        store.flush_counters(1, 0, 0, 0, 0)
-    with pytest.raises(QueueStateLostError):
         store.seed({"layout": "x", "owner": "w0"})
+    assert store.heartbeat(0, "token", 1000, (1, 0, 0, 0, 0)) is None  # nothing to extend, nothing recorded
     assert client.dbsize() == 0  # a stale process recreated nothing
 
 
-def test_counters_add_up_and_stats_report_the_last_flushed_counts(store: ControlPlane, client: Client) -> None:
+def test_heartbeats_record_the_node_counts_and_stats_report_the_last(store: ControlPlane, client: Client) -> None:
     assert store.stats() == QueueStats(GEN.encode(), 0, 0, 0, 0)
-    store.flush_counters(10, 0, 6, 2, 2)
-    store.flush_counters(0, 4, 3, 5, 2)
+    client.set(KEYS.rank(0), "token")
+    run_id = client.info("server")["run_id"]
+    assert store.heartbeat(0, "token", 1000, (10, 0, 6, 2, 2)) == run_id
+    assert store.heartbeat(0, "token", 1000, (10, 4, 3, 5, 2)) == run_id  # totals, not increments
+    assert store.heartbeat(0, "token", 1000) == run_id  # no table mapped yet: the counts stay as they were
+    assert store.heartbeat(0, "not-mine", 1000, (99, 99, 0, 0, 0)) is None  # another trainer's rank: refused
     store.register("w0", {"role": "writer", "index": 0})
     store.register("r0", {"role": "reader", "index": 0})
     assert store.counters() == (10, 4)

@@ -247,7 +247,7 @@ def test_last_leave_deletes_every_key_of_the_queue(
     assert store.seed({"layout": "{}", "slots": "10", "owner": "w0"})
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
-    store.flush_counters(6, 2, 4, 4, 2)
+    assert store.heartbeat(0, s0.token, LEASE_MS, (6, 2, 4, 4, 2)) is not None
     assert dummy.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}

@@ -79,6 +79,7 @@ def test_write_then_read_cycle() -> None:
     assert table.release_read(200, got[2:], evict=False) == 2
     assert table.snapshot() == TableSnapshot(2, 6, 8, 0)
     assert (table.state[got[:2]] == EMPTY).all() and (table.state[got[2:]] == FULL).all()
+    assert table.rows_moved() == (10, 4)  # committed by writers, released by readers
 
 
 def test_only_the_holder_moves_its_slots() -> None:
@@ -236,14 +237,16 @@ def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> Non
             versions = np.arange(1, 9, dtype=np.int64)
             table._jids[:8], table._jaux[:8] = ids, versions
             table._header[3:5] = (slottable._COMMIT, me)
+            table._header[slottable._JCOUNT] = 8  # rows written once the commit is applied
             table._header[2] = 8
-            table._apply(slottable._COMMIT, me, ids[:5], versions[:5])
+            table._apply(slottable._COMMIT, me, ids[:5], versions[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)
         return 1
 
     assert os.WTERMSIG(_wait(_fork(die_in_commit))) == signal.SIGKILL
     assert table.snapshot() == TableSnapshot(0, 0, 8, 0)
     assert sorted(table.version.tolist()) == list(range(1, 9))
+    assert table.rows_moved() == (8, 0)  # counted once, though applied twice
     ids = table.acquire_empty(1, 0)
     assert len(ids) == 0
     got, _ = table.draw_full(1, 8)
