@@ -28,3 +28,8 @@ def verified_layout(secret: bytes, generation: str, meta: dict[str, bytes], queu
             "process of this user on this machine in this session, or it was modified; refusing to use it"
         )
     return Layout.from_json(meta["layout"])
+
+
+def unsigned_fields(meta: dict[str, bytes]) -> dict[str, bytes]:
+    """The fields of verified ``meta`` without its HMAC, to sign again under another generation (a rejoin)."""
+    return {name: value for name, value in meta.items() if name != "hmac"}

@@ -21,7 +21,7 @@ the buffer and its slot table live in the children's shared memory. So the train
      starts under the new generation, so a new writer attaches to the node's buffer instead of making another;
   3. sends ``Rejoin(generation)`` to every child that has the buffer mapped (``Attached``/``RingReady`` seen):
      it registers again (its attach socket) and quotes the new generation; the dummy writer publishes its row
-     again. Until then such a child keeps moving rows; its counter flushes are refused and kept for later;
+     again. Such a child never stopped moving rows: no child calls Redis in the steady state;
   4. kills, through the zygote, every child still starting (it holds no slots and would quote the old
      generation) and starts it again. A child that died of a refused generation is started again too. Neither
      counts against ``max_restarts``: nothing failed.
@@ -48,7 +48,7 @@ from .config import DataloaderConfig
 from .control import ControlPlane, NodeCounts
 from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
 from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
-from .meta import signed_meta, verified_layout
+from .meta import signed_meta, unsigned_fields, verified_layout
 from .pickling import dumps_by_value
 from .procs import ChildProcess, Zygote
 from .redisconn import Client, connect, translate_errors
@@ -94,7 +94,6 @@ class Supervisor:
         self.closed = False
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
-        self.session_rejoins = 0
         self._table: SlotTable | None = None
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned (NOTE [ Rejoining ])
         self._secret = node_secret(self.runtime_path)
@@ -260,7 +259,6 @@ class Supervisor:
             except GigashuffleError as exc:
                 reason = exc
             else:
-                self.session_rejoins += 1
                 self._resume_children()
                 return
         self.failure = QueueStateLostError(
@@ -345,7 +343,7 @@ class Supervisor:
         except GigashuffleError as exc:
             log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
             return
-        self._meta_fields = {name: value for name, value in meta.items() if name != "hmac"}
+        self._meta_fields = unsigned_fields(meta)
 
     def _drop_table(self) -> None:
         if self._table is not None:

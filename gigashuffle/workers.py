@@ -22,7 +22,7 @@ from .config import DataloaderConfig
 from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError
 from .keys import QueueKeys
-from .meta import signed_meta, verified_layout
+from .meta import signed_meta, unsigned_fields, verified_layout
 from .redisconn import connect
 from .runtime import attach_socket_path, node_secret
 from .schema import Layout
@@ -83,8 +83,7 @@ class ChildEnv:
         self.config = spec.config
         self.proc = proc_name(spec.config.global_rank, spec.role, spec.index, os.getpid())
         self.client = connect(spec.redis_url, spec.config.redis_timeout_s)
-        keys = QueueKeys(spec.config.queue_name, spec.config.node)
-        self.store = ControlPlane(self.client, keys, spec.generation)
+        self.store = ControlPlane(self.client, QueueKeys(spec.config.queue_name, spec.config.node), spec.generation)
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
         self.buffer: SlotBuffer | None = None
@@ -166,7 +165,7 @@ class ChildEnv:
     def attach_buffer(self) -> Layout:
         """Map the published buffer and slot table through any process that serves them, then serve them too."""
         layout, meta = self.read_meta()
-        self.meta_fields = {name: value for name, value in meta.items() if name != "hmac"}
+        self.meta_fields = unsigned_fields(meta)
         slots = self.config.shuffle_size
         buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, self.config.redis_timeout_s)
         self.buffer = SlotBuffer(layout, slots, SharedMemory(int(meta["nbytes"]), buffer_fd))
