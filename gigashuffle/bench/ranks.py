@@ -186,7 +186,8 @@ class RankProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise AssertionError("Popen with PIPE gave no stdin/stdout")
         self.channel = LineChannel(
             self.proc.stdout.fileno(), self.proc.stdin.fileno(), f"bench rank {rank}", lambda: self.proc.poll() is None
         )
@@ -194,7 +195,8 @@ class RankProcess:
     def stop(self, clean: bool) -> None:
         """Tell the rank to close its loader and exit; escalate to SIGTERM then SIGKILL if it does not in time."""
         proc = self.proc
-        assert proc.stdin is not None and proc.stdout is not None
+        if proc.stdin is None or proc.stdout is None:
+            raise AssertionError("Popen with PIPE gave no stdin/stdout")
         if clean and not proc.stdin.closed and proc.poll() is None:
             with contextlib.suppress(PeerGone):
                 self.channel.send({"close": True})
