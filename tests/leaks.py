@@ -117,6 +117,15 @@ def _singleton_fds() -> set[int]:
     return {fd for fd in fds if isinstance(fd, int)}
 
 
+def _singleton_pids() -> set[int]:
+    # By pid as well as by command line: a helper caught between its fork and its exec still shows the parent's
+    # command line (seen in CI: the resource tracker, started by a test's first SharedMemory, counted as a leak).
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    forkserver = getattr(multiprocessing.forkserver, "_forkserver", None)
+    pids = {getattr(tracker, "_pid", None), getattr(forkserver, "_forkserver_pid", None)}
+    return {pid for pid in pids if isinstance(pid, int)}
+
+
 def _open_fds() -> frozenset[tuple[int, str]]:
     fd_dir = "/proc/self/fd"
     skip = _singleton_fds()
@@ -152,13 +161,13 @@ def _reap_adopted_zombie(pid: int) -> bool:
 
 
 def _children() -> frozenset[ChildProcess]:
-    servers = managed_pids()
+    skip = managed_pids() | _singleton_pids()
     me = os.getpid()
     own: set[int] | None = None  # computed only when an adopted zombie shows up (gc walk)
     found = set()
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.pid in servers:
+            if proc.pid in skip:
                 continue
             if proc.status() == psutil.STATUS_ZOMBIE:
                 if proc.ppid() == me:
