@@ -92,6 +92,7 @@ class Supervisor:
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
         self.closed = False
+        self._dead = 0  # children that exited and are still listed (see _forget_dead)
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
         self._table: SlotTable | None = None
@@ -170,6 +171,20 @@ class Supervisor:
             self._rejoin(self.session.lost)
         self.raise_if_failed()
 
+    def _forget_dead(self) -> None:
+        """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to
+        be started again. A week of restarts must not keep every dead reader's ring mapped in the trainer."""
+        waiting = {id(child) for child, _k in self.ready}
+        kept: list[ChildProcess] = []
+        for child in self.children:
+            if child.alive or child.superseded or child.held > 0 or id(child) in waiting:
+                kept.append(child)
+            elif child.ring is not None:
+                child.ring.close()  # views the caller still holds keep their pages mapped
+                child.ring = None
+        self.children = kept
+        self._dead = sum(not child.alive for child in kept)
+
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure
@@ -218,6 +233,7 @@ class Supervisor:
         self._drain(child)
         child.exitcode = exitcode
         child.channel.close()
+        self._dead += 1
         if child.pid is not None:
             remove_socket(attach_socket_path(child.pid, self.runtime_path))
         if self.closed:
@@ -393,6 +409,8 @@ class Supervisor:
             child, k = self.to_free.popleft()
             child.held -= 1
             self.send_free(child, k)
+        if self._dead:
+            self._forget_dead()
 
     def send_free(self, child: ChildProcess, k: int) -> None:
         if not child.alive:

@@ -41,7 +41,7 @@ def set_parent_death_signal(expected_parent: int) -> None:
         os._exit(1)
 
 
-def _reap(trainer: Channel, children: set[int]) -> None:
+def _reap(trainer: Channel, children: dict[int, int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -49,7 +49,7 @@ def _reap(trainer: Channel, children: set[int]) -> None:
             return
         if pid == 0:
             return
-        children.discard(pid)
+        children.pop(pid, None)
         trainer.send(("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
@@ -71,8 +71,9 @@ def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -
 
 
 def serve(trainer: Channel) -> None:
-    children: set[int] = set()
-    pid_of: dict[int, int] = {}  # spawn request number -> pid
+    # Unreaped children: pid -> spawn request number. An entry goes when its child is reaped, so a week of
+    # restarts leaves nothing behind, and a kill by request number can never reach a reused pid.
+    children: dict[int, int] = {}
     try:
         while True:
             _reap(trainer, children)
@@ -82,14 +83,14 @@ def serve(trainer: Channel) -> None:
             if message[0] == "spawn":
                 _kind, seq, payload, title = message
                 pid = _fork_child(trainer, payload, title, fds[0])
-                children.add(pid)
-                pid_of[seq] = pid
+                children[pid] = seq
                 trainer.send(("spawned", seq, pid))
             elif message[0] == "kill":
                 # By request number, and only while unreaped: the pid cannot have been reused by then.
-                pid = pid_of.pop(message[1], -1)
-                if pid in children:
-                    os.kill(pid, signal.SIGKILL)
+                for pid, seq in children.items():
+                    if seq == message[1]:
+                        os.kill(pid, signal.SIGKILL)
+                        break
     except (ChannelClosed, ConnectionError):
         pass  # the trainer closed us or died: take the children down with us
     finally:

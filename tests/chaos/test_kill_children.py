@@ -32,6 +32,12 @@ DETECT_LIMIT_S = 10.0  # the design notices a death within ~1 s; this bound only
 TEST_LIMIT_S = 120.0
 
 
+def _ring_mappings() -> set[str]:
+    """The reader rings this process maps, by device and inode of each ring's memfd."""
+    with open("/proc/self/maps") as maps:
+        return {" ".join(line.split()[3:5]) for line in maps if "memfd:gigashuffle-ring" in line}
+
+
 def _start(chaos: Any, redis_url: str, victim: str, moment: str, seed: int, max_restarts: int) -> tuple[Any, ...]:
     name = {"owner": "owner writer", "writer": "other writer", "reader": "reader"}[victim]
     rng = chaos.begin("SIGKILL child", f"{name}, {moment}, max_restarts={max_restarts}", seed, redis_url)
@@ -78,6 +84,7 @@ def _killer(chaos: Any, loader: Any, consumer: Any, victim: str, moment: str, rn
         at_kill = consumer.batches
         pids_at_kill = set(loader.child_pids()[role])
         writers_at_kill = set(loader.child_pids()["writer"])
+        rings_at_kill = _ring_mappings()
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not chaos.registered(url, keys, proc), timeout_s=DETECT_LIMIT_S,
@@ -95,7 +102,7 @@ def _killer(chaos: Any, loader: Any, consumer: Any, victim: str, moment: str, rn
             respawned = sorted(set(loader.child_pids()[role]) - pids_at_kill)
         return {"role": role, "pid": pid, "proc": proc, "t_kill": t_kill, "at_kill": at_kill,
                 "reclaimed_s": reclaimed_s, "respawned": respawned,
-                "writers_at_kill": writers_at_kill}  # fmt: skip
+                "writers_at_kill": writers_at_kill, "rings_at_kill": rings_at_kill}  # fmt: skip
     finally:
         chaos.open_gate()
 
@@ -122,6 +129,11 @@ def test_sigkilled_child_is_respawned(chaos: Any, redis_url: str, victim: str, m
     pids = loader.child_pids()
     assert info["pid"] not in pids[info["role"]]
     assert len(pids["writer"]) == cfg.num_writers and len(pids["reader"]) == cfg.num_readers, pids
+    if info["role"] == "reader" and len(info["rings_at_kill"]) == cfg.num_readers:
+        # Every reader's ring was mapped at the kill (a reader killed at start-up may have sent none yet). Its
+        # batches were read long ago, so the dead reader's ring is unmapped: restarts keep no dead ring mapped.
+        unmapped = info["rings_at_kill"] - _ring_mappings()
+        assert unmapped, f"the killed reader's ring is still mapped: {sorted(info['rings_at_kill'])}"
     figures = chaos.assert_stats(loader)
     chaos.finish("recovered", detect_s=info["reclaimed_s"], batches=consumer.batches, killed=info["role"],
                  **figures)  # fmt: skip
