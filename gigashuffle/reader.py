@@ -5,7 +5,8 @@ The trainer maps the reader's ring (its fd crosses once, at start); per batch on
 ``FreeSlot(k)`` cross the channel, and nothing goes to Redis. Per batch: ``draw_full`` takes ``bs`` uniformly
 random full slots (``reading`` under this pid, once at least ``min_full_slots`` are full), the rows, their slot
 ids and versions are gathered into a free ring slot without any lock held, ``release_read`` returns the slots (to
-empty, or to full when evict_on_read=False), and only then is the batch announced. A reader killed before the
+empty, or to full when evict_on_read=False), and only then is the batch announced. With another free ring slot,
+that release and the next batch's draw share one hold of the lock (``release_and_draw``). A reader killed before the
 release leaves ``reading`` slots, which ``repair()`` returns to full (never delivered); killed between release and
 announcement, the batch is dropped, never delivered twice. The reader draws only while it has a free ring slot,
 so a reader blocked on a slow trainer holds no slots and cannot starve the rest of the node. Up to
@@ -92,19 +93,28 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     free: deque[int] = deque(range(ring.depth))
     backoff = Backoff()
     chores = Housekeeping(env)
+    drawn: tuple[SlotIds, Versions] | None = None  # the next batch's slots, drawn with the last release
     while True:
-        _take_frees(env, free, 0 if free else _IDLE_POLL_S)
+        _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
         chores.tick()
-        if not free:
-            continue
-        slots, versions = table.draw_full(me, bs, min_full)
-        if len(slots) == 0:
-            backoff.sleep()
-            continue
+        if drawn is None:
+            if not free:
+                continue
+            drawn = table.draw_full(me, bs, min_full)
+            if len(drawn[0]) == 0:
+                drawn = None
+                backoff.sleep()
+                continue
         backoff.reset()
+        slots, versions = drawn
         k = free.popleft()
         _gather(buffer, ring, k, slots, versions)
-        if table.release_read(me, slots, evict) != len(slots):
+        if free:
+            released, next_slots, next_versions = table.release_and_draw(me, slots, evict, bs, min_full)
+            drawn = (next_slots, next_versions) if len(next_slots) else None
+        else:
+            released, drawn = table.release_read(me, slots, evict), None
+        if released != len(slots):
             raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
         env.channel.send(BatchReady(k))
 

@@ -22,18 +22,20 @@ Why a kill at any instruction loses no slot and blocks nobody:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Counts are derived from ``state`` (``count_nonzero`` under the lock), never stored, so they cannot drift. The
-  two totals of rows written and read (for ``gigashuffle stats``) are stored in the header, but a commit or a
-  release journals the counter's new value and applying it sets that value, so a roll-forward cannot count twice.
+- Three counts live in the header: full slots (read by every draw, so that no draw passes over the whole table)
+  and the totals of rows written and read (for ``gigashuffle stats``). An op journals each count's new value,
+  computed under the lock before the commit point, and applying the op sets that value: a roll-forward cannot
+  count twice. ``snapshot()`` still counts ``state`` itself.
 A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
 
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
-the op's slot ids, never a sort and never a pass over the whole table except ``count_nonzero`` of the full slots
-in a draw. ``acquire_empty`` scans forward from where this process's last search stopped, so it usually finds
-its slots in the first few hundred states (a nearly full table takes at most three numpy calls); ``draw_full``
-samples by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the
-lock with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds
-per use).
+the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
+never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
+last search stopped, so it usually finds its slots in the first few hundred states (a nearly full table takes at
+most three numpy calls); ``draw_full`` samples by rejection and drops repeated ids with a scratch array private
+to the process. The hot ops take the lock with ``_acquire``/``_release`` rather than the generator context
+manager ``_locked`` (a few microseconds per use), and a reader returns a batch and draws the next under one hold
+(``release_and_draw``).
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ SlotIds = npt.NDArray[np.int32]
 Versions = npt.NDArray[np.int64]
 
 EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
-_MAGIC = 0x67735F736C6F7432  # "gs_slot2"
+_MAGIC = 0x67735F736C6F7433  # "gs_slot3"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
-# read, and the journaled new value of the row counter the op moves
-_WRITTEN, _READ, _JCOUNT = 6, 7, 8
+# read, the journaled new value of the row counter the op moves, full slots, and their journaled new count
+_WRITTEN, _READ, _JCOUNT, _FULL, _JFULL = 6, 7, 8, 9, 10
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
@@ -178,7 +180,9 @@ class SlotTable:
         finally:
             self._thread_lock.release()
 
-    def _commit(self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None) -> None:
+    def _commit(self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None, full_after: int = -1) -> None:
+        """Journal the op, apply it, clear the journal. ``full_after``: the count of full slots once it is applied
+        (-1: the op moves no slot into or out of full)."""
         n = len(ids)
         if n == 0:
             return
@@ -192,6 +196,7 @@ class SlotTable:
             header[_JCOUNT] = header[_WRITTEN] + n
         elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
             header[_JCOUNT] = header[_READ] + n
+        header[_JFULL] = header[_FULL] if full_after < 0 else full_after
         header[2] = n  # the commit point: from here on the op happens, even if we die
         self._apply(op, pid, ids, aux)
         header[2] = 0
@@ -202,34 +207,38 @@ class SlotTable:
         self._header[2] = 0
 
     def _apply(self, op: int, pid: int, ids: SlotIds, aux: Versions | None) -> None:
+        # A roll-forward finds every journaled slot either as the op found it or as the op left it (nothing else
+        # runs between a death and the next lock holder's roll-forward): ops whose ids were all in one state when
+        # journaled set their target state outright; the others move only slots still in a source state.
         state = self.state
         if op in (_ACQUIRE, _DRAW):
             self.holder[ids] = pid
             state[ids] = WRITING if op == _ACQUIRE else READING
-            return
-        old = state[ids]
-        if op == _COMMIT:
+        elif op == _COMMIT:  # every id was writing under pid
             if aux is None:
                 raise AssertionError("a commit without versions")
             self.version[ids] = aux
             self._header[5] = max(int(self._header[5]), int(aux[-1]))  # commit_written's versions ascend
-            state[ids[old == WRITING]] = FULL
+            state[ids] = FULL
             self._header[_WRITTEN] = self._header[_JCOUNT]
-        elif op == _RELEASE_EVICT:
-            state[ids[old >= READING]] = EMPTY  # READING or READING_EVICT, the two highest states
+        elif op == _RELEASE_EVICT:  # every id was reading (or reading-then-evict) under pid
+            state[ids] = EMPTY
             self._header[_READ] = self._header[_JCOUNT]
-        elif op == _RELEASE_KEEP:
-            state[ids[old == READING]] = FULL
-            state[ids[old == READING_EVICT]] = EMPTY
-            self._header[_READ] = self._header[_JCOUNT]
-        elif op == _EVICT:
-            state[ids[old == FULL]] = EMPTY
-            state[ids[old == READING]] = READING_EVICT
-        elif op == _REPAIR:
-            state[ids[(old == WRITING) | (old == READING_EVICT)]] = EMPTY
-            state[ids[old == READING]] = FULL
         else:
-            raise AssertionError(f"unknown slot table op {op} in the journal")
+            old = state.take(ids)
+            if op == _RELEASE_KEEP:
+                state[ids.compress(old == READING)] = FULL
+                state[ids.compress(old == READING_EVICT)] = EMPTY
+                self._header[_READ] = self._header[_JCOUNT]
+            elif op == _EVICT:
+                state[ids.compress(old == FULL)] = EMPTY
+                state[ids.compress(old == READING)] = READING_EVICT
+            elif op == _REPAIR:
+                state[ids.compress((old == WRITING) | (old == READING_EVICT))] = EMPTY
+                state[ids.compress(old == READING)] = FULL
+            else:
+                raise AssertionError(f"unknown slot table op {op} in the journal")
+        self._header[_FULL] = self._header[_JFULL]
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
         given: SlotIds = np.asarray(ids, dtype=np.int32)
@@ -237,15 +246,18 @@ class SlotTable:
             given = given.reshape(-1)
         # Comparisons instead of np.isin, which sorts or builds a table per call (it dominated the commits and
         # releases of small batches); reading and reading-then-evict are the two highest states: one comparison.
-        now = self.state[given]
+        # take() and compress() rather than fancy and boolean indexing: half the cost at these sizes.
+        now = self.state.take(given)
         if states == (READING, READING_EVICT):
             in_state = now >= READING
         else:
             in_state = now == states[0]
             for other in states[1:]:
                 in_state |= now == other
-        in_state &= self.holder[given] == pid
-        mine: SlotIds = given[in_state]
+        in_state &= self.holder.take(given) == pid
+        if in_state.all():  # the usual case: skip the copy
+            return given
+        mine: SlotIds = given.compress(in_state)
         return mine
 
     # -- writers ---------------------------------------------------------------------------------------------
@@ -293,7 +305,8 @@ class SlotTable:
         try:
             mine = self._held(pid, ids, (WRITING,))
             clock = int(self._header[5])
-            self._commit(_COMMIT, pid, mine, np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64))
+            versions = np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64)
+            self._commit(_COMMIT, pid, mine, versions, int(self._header[_FULL]) + len(mine))
         finally:
             self._release()
         return len(mine)
@@ -304,14 +317,17 @@ class SlotTable:
         than ``max(n, min_full)`` slots are full."""
         self._acquire()
         try:
-            full = int(np.count_nonzero(self.state == FULL))
-            if n <= 0 or full < max(n, min_full):
-                return _NO_IDS, _NO_VERSIONS
-            ids = self._sample_full(n, full)
-            versions = self.version[ids]  # fancy indexing: already a copy
-            self._commit(_DRAW, pid, ids)
+            return self._draw(pid, n, min_full)
         finally:
             self._release()
+
+    def _draw(self, pid: int, n: int, min_full: int) -> tuple[SlotIds, Versions]:
+        full = int(self._header[_FULL])
+        if n <= 0 or full < max(n, min_full):
+            return _NO_IDS, _NO_VERSIONS
+        ids = self._sample_full(n, full)
+        versions = self.version.take(ids)
+        self._commit(_DRAW, pid, ids, None, full - n)
         return ids, versions
 
     def _sample_full(self, n: int, full: int) -> SlotIds:
@@ -332,21 +348,40 @@ class SlotTable:
             # random() scaled rather than integers(), which costs twice as much for these sizes: exact for a
             # power-of-two table, else each id's probability is off by less than slots / 2**53.
             tries = (self._rng.random(draws) * self.slots).astype(np.int32)
-            hits = tries[self.state[tries] == FULL]
+            hits = tries.compress(self.state.take(tries) == FULL)
             merged = np.concatenate([taken, hits]) if len(taken) else hits
             positions = np.arange(len(merged), dtype=np.int32)
             seen[merged] = positions
-            taken = merged[seen[merged] == positions][:n]
+            taken = merged.compress(seen.take(merged) == positions)[:n]
         return taken
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
         self._acquire()
         try:
-            mine = self._held(pid, ids, (READING, READING_EVICT))
-            self._commit(_RELEASE_EVICT if evict else _RELEASE_KEEP, pid, mine)
+            return self._release_read(pid, ids, evict)
         finally:
             self._release()
+
+    def release_and_draw(
+        self, pid: int, ids: npt.ArrayLike, evict: bool, n: int, min_full: int = 0
+    ) -> tuple[int, SlotIds, Versions]:
+        """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
+        ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
+        self._acquire()
+        try:
+            released = self._release_read(pid, ids, evict)
+            return (released, *self._draw(pid, n, min_full))
+        finally:
+            self._release()
+
+    def _release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
+        mine = self._held(pid, ids, (READING, READING_EVICT))
+        if evict:
+            self._commit(_RELEASE_EVICT, pid, mine)
+        else:
+            back = int(np.count_nonzero(self.state.take(mine) == READING))
+            self._commit(_RELEASE_KEEP, pid, mine, None, int(self._header[_FULL]) + back)
         return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None) -> int:
@@ -361,7 +396,8 @@ class SlotTable:
                 wanted = np.asarray(versions, dtype=np.int64).reshape(-1)
                 ok &= (wanted == -1) | (self.version[ids] == wanted)
             chosen = np.unique(ids[ok])
-            self._commit(_EVICT, 0, chosen)
+            gone = int(np.count_nonzero(self.state[chosen] == FULL))
+            self._commit(_EVICT, 0, chosen, None, int(self._header[_FULL]) - gone)
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
@@ -374,7 +410,8 @@ class SlotTable:
             holders = self.holder[held]
             gone = [p for p in np.unique(holders).tolist() if p in dead_set or not pid_alive(p)]
             ids = held[np.isin(holders, gone)]
-            self._commit(_REPAIR, 0, ids)
+            back = int(np.count_nonzero(self.state[ids] == READING))
+            self._commit(_REPAIR, 0, ids, None, int(self._header[_FULL]) + back)
         return len(ids)
 
     def rows_moved(self) -> tuple[int, int]:

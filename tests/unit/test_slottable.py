@@ -203,6 +203,7 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
             from gigashuffle import slottable
 
             table._header[3:5] = (slottable._RELEASE_EVICT, me)
+            table._header[slottable._JFULL] = 4  # an evicting release leaves the 4 full slots as they are
             table._jids[: len(got)] = got
             if applied != "none":
                 table._header[2] = len(got)  # the commit point
@@ -238,6 +239,7 @@ def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> Non
             table._jids[:8], table._jaux[:8] = ids, versions
             table._header[3:5] = (slottable._COMMIT, me)
             table._header[slottable._JCOUNT] = 8  # rows written once the commit is applied
+            table._header[slottable._JFULL] = 8  # and full slots
             table._header[2] = 8
             table._apply(slottable._COMMIT, me, ids[:5], versions[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)

@@ -169,6 +169,8 @@ def _serve(conn: Connection, table: SlotTable, rows: npt.NDArray[np.int64]) -> N
                 result = table.draw_full(me, *args)
             elif op == "release":
                 result = table.release_read(me, *args)
+            elif op == "release_draw":
+                result = table.release_and_draw(me, *args)
             elif op == "repair":
                 result = table.repair()
             else:
@@ -178,6 +180,9 @@ def _serve(conn: Connection, table: SlotTable, rows: npt.NDArray[np.int64]) -> N
         if op == "draw":
             ids, versions = result
             result = (ids, versions, rows[ids].copy())  # the gather: after the draw, outside the lock
+        elif op == "release_draw":
+            released, ids, versions = result
+            result = (released, ids, versions, rows[ids].copy())
         conn.send(("done", result))
 
 
@@ -381,6 +386,29 @@ class SlotTableMachine(RuleBasedStateMachine):
         held = np.isin(state, (WRITING, READING, READING_EVICT)) & (holder == pid)
         return [int(s) for s in np.flatnonzero(held)]
 
+    def _drew(self, actor: Actor, ids: list[int], versions: list[int], tokens: list[int], n: int) -> None:
+        assert len(ids) in (0, n) and len(set(ids)) == len(ids)
+        self._expect_full(ids)
+        for slot, version, token in zip(ids, versions, tokens, strict=True):
+            assert (token, version) == self.live[slot], f"slot {slot}: read {token, version}"
+        actor.held = ids
+
+    def _settle_fused(self, reply: Reply, part: str, holds: list[int], released: dict[int, bool]) -> None:
+        """A reader killed in release_and_draw: the release and the draw are two journaled ops, so it did neither,
+        the release alone, or both. Its slots still held tell which: the batch it had (neither; a kept batch drawn
+        again whole is the same thing to the model), none (the release), or a new batch (both)."""
+        actor = self.actors[reply.actor]
+        if part == "release":
+            released[reply.actor] = holds != sorted(actor.held)
+            event(
+                f"a reader killed in release_and_draw: release {'took effect' if released[reply.actor] else 'undone'}"
+            )
+            if released[reply.actor]:
+                self._released(actor, consumed=reply.args[1], announced=False)
+        elif released[reply.actor]:
+            self._expect_full(holds)  # a draw after the release: it held nothing in between
+            actor.held = holds
+
     def _settle(self, reply: Reply, holds: list[int], old_corpses: list[Actor]) -> None:
         """What a dead actor's last op did, read from what the (rolled forward) table still holds under its pid:
         each op is one journaled transition, so it happened whole or not at all."""
@@ -459,8 +487,10 @@ class SlotTableMachine(RuleBasedStateMachine):
                 op, args = "commit", (np.array(actor.held, dtype=np.int32), tokens)
             elif actor.role == WRITER:
                 op, args = "acquire", n
-            elif actor.held:
+            elif actor.held and n % 2:
                 op, args = "release", (np.array(actor.held, dtype=np.int32), flag)
+            elif actor.held:  # an even n: release and draw the next batch under one hold of the lock
+                op, args = "release_draw", (np.array(actor.held, dtype=np.int32), flag, n, min_full)
             else:
                 op, args = "draw", (n, min_full)
             actor.conn.send((op, args, kill_at))
@@ -490,12 +520,25 @@ class SlotTableMachine(RuleBasedStateMachine):
         # actors dead before the round (a victim dying now is an unreaped zombie: alive to pid_alive); a release
         # may empty or refill a slot that a writer then acquires or a reader draws; a commit may fill a slot a
         # reader then draws. Acquires and draws touch disjoint states, and so do commits and releases.
+        # A release_draw is a release and a draw under one hold of the lock, so it explains itself as a release
+        # (taking place with the releases) followed by a draw (with the draws).
         order = {"repair": 0, "release": 1, "commit": 2, "acquire": 3, "draw": 4}
+        steps = [(order[r.op], r.op, r) for r in replies if r.op != "release_draw"]
+        steps += [(o, part, r) for r in replies if r.op == "release_draw" for o, part in ((1, "release"), (4, "draw"))]
         self.new_versions = []
-        for reply in sorted(replies, key=lambda r: order[r.op]):
+        fused_released: dict[int, bool] = {}  # release_draw victims: whether their release took effect
+        for _order, part, reply in sorted(steps, key=lambda step: step[0]):
             actor = self.actors[reply.actor]
-            if reply.result is None:
+            if reply.result is None and reply.op == "release_draw":
+                self._settle_fused(reply, part, holds[reply.actor], fused_released)
+            elif reply.result is None:
                 self._settle(reply, holds[reply.actor], old_corpses)
+            elif reply.op == "release_draw" and part == "release":
+                assert reply.result[0] == len(actor.held), "a live reader lost slots of its batch"
+                self._released(actor, consumed=reply.args[1], announced=True)
+            elif reply.op == "release_draw":
+                ids, versions, tokens = (x.tolist() for x in reply.result[1:])
+                self._drew(actor, ids, versions, tokens, reply.args[2])
             elif reply.op == "repair":
                 assert reply.result == sum(len(c.held) for c in old_corpses)
                 self._repaired(old_corpses)
@@ -516,13 +559,9 @@ class SlotTableMachine(RuleBasedStateMachine):
             else:
                 ids, versions, tokens = (x.tolist() for x in reply.result)
                 n, min_full = reply.args
-                assert len(ids) in (0, n) and len(set(ids)) == len(ids)
-                self._expect_full(ids)
-                for slot, version, token in zip(ids, versions, tokens, strict=True):
-                    assert (token, version) == self.live[slot], f"slot {slot}: read {token, version}"
                 if solo:
                     assert len(ids) == (n if full_before >= max(n, min_full) else 0)
-                actor.held = ids
+                self._drew(actor, ids, versions, tokens, n)
         # Every write gets a version newer than any before it, whichever writer and however it was committed.
         assert len(set(self.new_versions)) == len(self.new_versions)
         assert all(v > self.top_version for v in self.new_versions), (self.top_version, self.new_versions)
@@ -645,6 +684,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert snapshot == TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
                                          int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
         assert snapshot.empty + snapshot.writing + snapshot.full + snapshot.reading == SLOTS
+        assert int(table._header[slottable._FULL]) == counts[FULL], "the stored count of full slots drifted"
 
         expected = np.full(SLOTS, EMPTY, dtype=np.uint8)
         for slot, (token, written) in self.live.items():
