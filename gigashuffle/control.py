@@ -27,7 +27,7 @@ def text(value: bytes | str) -> str:
 
 @dataclass(frozen=True)
 class QueueStats:
-    """What Redis knows of a node's queue: its generation and the slot counts its processes last flushed."""
+    """What Redis knows of a node's queue: its generation and the counts its trainers' heartbeats last recorded."""
 
     generation: bytes | None
     full: int

@@ -54,8 +54,8 @@ class QueueKeys:
 
     @property
     def counters(self) -> str:
-        """Hash: rows ``written`` and ``read`` this session, for rates in ``gigashuffle stats``, and the slot
-        counts (``full``, ``empty``, ``in_flight``) as last flushed."""
+        """Hash: rows ``written`` and ``read`` through the node's slot table, for rates in ``gigashuffle stats``,
+        and its slot counts (``full``, ``empty``, ``in_flight``), as a trainer's heartbeat last recorded them."""
         return self._key("counters")
 
     def rank(self, global_rank: int) -> str:

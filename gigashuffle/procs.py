@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.spawn
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,28 @@ class ChildProcess:
         return self.exitcode is None
 
 
+# Copies of at least this many bytes bypass the caches (non-temporal stores) in the zygote and its children.
+_NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+_NON_TEMPORAL_BYTES = 64 * 1024
+
+
+def _streaming_copies(env: dict[str, str]) -> dict[str, str]:
+    """``GLIBC_TUNABLES`` for the zygote: rows of 64 KB and more are copied with non-temporal stores.
+
+    A writer copies each row into the node buffer, where a reader fetches it much later: caching the destination
+    only costs a read of every line before it is overwritten. glibc picks streaming stores only above a threshold
+    it derives from the cache size (megabytes; on this 2-core VM, which reports a 480 MB L3, never), so image-sized
+    rows were copied through the cache. Measured with `gigashuffle bench --workload image`: writer CPU per row
+    23.3 -> 16.4-17.0 us, readers and rows/s unchanged. x86-64 only (other machines ignore the setting); a
+    threshold the user set already wins.
+    """
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if platform.machine() not in ("x86_64", "AMD64") or _NON_TEMPORAL_TUNABLE in tunables:
+        return {}
+    ours = f"{_NON_TEMPORAL_TUNABLE}={_NON_TEMPORAL_BYTES}"
+    return {"GLIBC_TUNABLES": f"{tunables}:{ours}" if tunables else ours}
+
+
 class Zygote:
     """Starts the zygote process and asks it for children (see NOTE [ Why a zygote ] in ``zygote.py``).
 
@@ -55,6 +78,7 @@ class Zygote:
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        env.update(_streaming_copies(env))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "gigashuffle.zygote", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],

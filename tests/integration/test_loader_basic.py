@@ -4,6 +4,7 @@ named."""
 
 from __future__ import annotations
 
+import platform
 import uuid
 from pathlib import Path
 
@@ -177,3 +178,38 @@ def test_children_have_descriptive_process_titles(redis_url: str) -> None:
                 assert by_pid[pid]["role"] == role and by_pid[pid]["rank"] == 0
         owner = next(info for info in registered.values() if info.get("owner"))
         assert owner["role"] == "writer" and "owner" in _title(owner["pid"])
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+
+_OURS = "glibc.cpu.x86_non_temporal_threshold=65536"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="glibc's streaming-store threshold is x86-64 only")
+@pytest.mark.parametrize(
+    ("user_tunables", "expected"),
+    [
+        (None, _OURS),
+        # (Added to other tunables too, but glibc cuts what /proc shows at the first ':': tests/unit/test_procs.py.)
+        ("glibc.cpu.x86_non_temporal_threshold=1048576", "glibc.cpu.x86_non_temporal_threshold=1048576"),
+    ],
+)
+def test_children_copy_large_rows_past_the_caches(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, user_tunables: str | None, expected: str
+) -> None:
+    """Writers and readers run with glibc's streaming-store threshold at 64 KB (see procs._streaming_copies),
+    added to the user's GLIBC_TUNABLES, and never overriding a threshold the user chose."""
+    if user_tunables is None:
+        monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    else:
+        monkeypatch.setenv("GLIBC_TUNABLES", user_tunables)
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=_queue("tunables"), num_writers=1, num_readers=1,
+                           redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        take(iter(loader), 2)
+        pids = loader.child_pids()
+        found = {_environ(pid).get("GLIBC_TUNABLES") for role in ("writer", "reader") for pid in pids[role]}
+    assert found == {expected}, found
