@@ -65,3 +65,57 @@ class Transitions:
 
     def time_write_and_read_1000_rows(self, workload: str) -> None:
         self.fixture.cycle(ROWS)
+
+
+def _write_for(table: SlotTable, chunk: int, seconds: float) -> tuple[int, float]:
+    """A writer's transitions for ``seconds``: rows committed and the CPU seconds it took."""
+    pid, rows, cpu = os.getpid(), 0, time.process_time()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ids = table.acquire_empty(pid, chunk)
+        rows += table.commit_written(pid, ids) if len(ids) else 0
+    return rows, time.process_time() - cpu
+
+
+class TwoProcesses:
+    """A writer process and a reader process on one table at once: what hand-offs of the node lock and of the
+    table's cache lines between cores add to ``Transitions`` (on 2 cores, 1.8x for tiny, 2.3x for tokens when
+    this was written). CPU of both per row read, so lower is better."""
+
+    params = (WORKLOAD_NAMES,)
+    param_names = ("workload",)
+    repeat = (3, 10, 20.0)
+    timeout = 300
+    SECONDS = 1.0
+
+    def setup(self, workload: str) -> None:
+        self.fixture = _Fixture(workload)  # a fresh table: the forked writer must not inherit a used lock fd
+
+    def track_cpu_us_per_row(self, workload: str) -> float:
+        fixture, table = self.fixture, self.fixture.table
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer: report and leave without running any of the parent's cleanup
+            code = 1
+            try:
+                rows, cpu = _write_for(table, fixture.chunk, self.SECONDS)
+                os.write(done_w, f"{rows} {cpu}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(done_w)
+        me, rows, cpu = os.getpid(), 0, time.process_time()
+        min_full = table.slots // 2  # as min_mixing 0.5: readers wait for the writer instead of emptying the table
+        end = time.monotonic() + self.SECONDS
+        while time.monotonic() < end:
+            released, fixture.batch, _ = table.release_and_draw(me, fixture.batch, True, fixture.bs, min_full)
+            rows += released
+        cpu = time.process_time() - cpu
+        with os.fdopen(done_r, "rb") as report:
+            written = report.read().split()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or len(written) != 2:
+            raise RuntimeError(f"the writer process failed (wait status {status})")
+        return round((cpu + float(written[1])) * 1e6 / max(rows, 1), 4)
+
+    track_cpu_us_per_row.unit = "us/row"  # type: ignore[attr-defined]
