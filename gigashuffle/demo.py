@@ -19,7 +19,8 @@ from .loader import MultiprocessShuffledDataloader
 
 
 class SyntheticImages(IterableDataset[list[dict[str, torch.Tensor]]]):
-    """Chunks of random uint8 'images' with labels and row ids that say which writer made them and when."""
+    """Chunks of random uint8 'images' with labels, row ids that say which writer made them (and its count), and
+    the time each chunk was made."""
 
     def __init__(self, chunk_rows: int = 64, side: int = 64) -> None:
         self.chunk_rows = chunk_rows
@@ -36,7 +37,10 @@ class SyntheticImages(IterableDataset[list[dict[str, torch.Tensor]]]):
         while True:
             ids = (writer << WRITER_SHIFT) + torch.arange(counter, counter + self.chunk_rows, dtype=torch.int64)
             counter += self.chunk_rows
-            yield [{"image": pixels, "label": ids % 1000, "id": ids}]
+            # When the chunk was made (CLOCK_MONOTONIC, one clock for every process of the machine): with it the
+            # quality figure knows the order the two writers' rows entered the buffer, not just each writer's own.
+            stamp = torch.full((self.chunk_rows,), time.monotonic_ns(), dtype=torch.int64)
+            yield [{"image": pixels, "label": ids % 1000, "id": ids, "written_ns": stamp}]
 
 
 def _progress(loader: MultiprocessShuffledDataloader, target: int, out: Any) -> None:
@@ -64,16 +68,18 @@ def run(seconds: float, queue: str, out: Any = sys.stdout) -> dict[str, float]:
         startup = time.perf_counter() - t0
         _progress(loader, config.min_full_slots, sys.stderr)
         batches: list[np.ndarray] = []
+        stamps: list[np.ndarray] = []
         row_bytes = sum(t[0].numel() * t.element_size() for t in dummy[0].values())
         start = time.perf_counter()
         for batch in loader:
             batches.append(batch[0]["id"].numpy().copy())
+            stamps.append(batch[0]["written_ns"].numpy().copy())
             if time.perf_counter() - start >= seconds:
                 break
         elapsed = time.perf_counter() - start
         stats = loader.stats()
     rows = len(batches) * config.bs
-    quality = measure(batches, config.shuffle_size, config.num_writers * config.global_world_size)
+    quality = measure(batches, config.shuffle_size, config.num_writers * config.global_world_size, stamps=stamps)
     report = {
         "startup_s": startup,
         "batches": float(len(batches)),

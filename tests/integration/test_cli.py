@@ -281,3 +281,18 @@ def test_bad_stats_arguments(args: list[str], code: int, message: str) -> None:
     assert done.returncode == code
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_demo_runs_a_real_loader_and_reports_what_it_did() -> None:
+    """The README's first command: a real loader on the embedded server, and a report whose figures add up."""
+    done = cli("demo", "--seconds", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
+    batches, samples = (int(word.strip("(")) for word in lines["read"].split()[1:4:2])
+    assert batches > 0 and samples == 64 * batches, lines["read"]
+    quality = lines["shuffle"]
+    assert "0.0% samples read twice" in quality, quality
+    ratio = float(quality.split("(ratio ")[1].split(")")[0])
+    # Rows placed in the write stream by their writers' time stamps: a uniform sampler over at most 4,096 slots
+    # cannot move rows further than the ideal 4,096-slot buffer does, nor (at least half full) keep them in order.
+    assert 0.2 < ratio < 1.5, quality

@@ -83,7 +83,16 @@ def test_distinct_writers_per_batch() -> None:
 
 def test_write_positions_interleave_writers() -> None:
     ids = np.concatenate([make_ids(0, 0, 3).numpy(), make_ids(1, 0, 3).numpy()])
-    np.testing.assert_array_equal(quality.write_positions(ids, num_writers=2), [0, 2, 4, 1, 3, 5])
+    np.testing.assert_array_equal(quality.write_positions(ids), [0, 2, 4, 1, 3, 5])
+
+
+def test_uneven_writers_read_in_write_order_are_not_displaced() -> None:
+    # Writer 0 writes three rows for each of writer 1's; rows are read in the order they were written (FIFO).
+    fast, slow = make_ids(0, 0, 3_000).numpy(), make_ids(1, 0, 1_000).numpy()
+    fifo = np.stack([fast[0::3], fast[1::3], fast[2::3], slow], axis=1).reshape(-1)
+    q = quality.measure(_batches(fifo, 100), shuffle_size=64, num_writers=2)
+    assert q.displacement < 2.0, q  # at most the estimate's rounding; assuming equal rates gave 1,000
+    assert q.displacement_ratio < 0.1, q
 
 
 def test_duplicates_are_counted() -> None:
@@ -235,3 +244,17 @@ def test_main_json_without_the_loader(capsys: pytest.CaptureFixture[str]) -> Non
     (result,) = json.loads(capsys.readouterr().out)
     assert result["workload"] == "tiny" and "loader" not in result
     assert result["copy_floor"]["samples_per_s"] > 0 and result["dataloader"]["samples_per_s"] > 0
+
+
+def test_stamps_place_bursty_writers_exactly() -> None:
+    # Writer 0 writes alone for 1,000 rows, then writer 1 alone for 1,000, then both alternate: rows read in that
+    # true write order (FIFO) are not displaced once the writers' time stamps place them, whatever the rates did.
+    w0, w1 = make_ids(0, 0, 1_500).numpy(), make_ids(1, 0, 1_500).numpy()
+    both = np.stack([w0[1_000:], w1[1_000:]], axis=1).reshape(-1)
+    fifo = np.concatenate([w0[:1_000], w1[:1_000], both])
+    stamps = np.arange(fifo.size, dtype=np.int64) * 10  # the time each row was stamped: strictly in write order
+    batches, stamp_batches = _batches(fifo, 100), _batches(stamps, 100)
+    exact = quality.measure(batches, shuffle_size=64, num_writers=2, stamps=stamp_batches)
+    assert exact.displacement < 1.0, exact
+    by_share = quality.measure(batches, shuffle_size=64, num_writers=2)
+    assert by_share.displacement > 100, by_share  # equal shares in total, but not over time
