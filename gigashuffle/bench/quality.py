@@ -95,13 +95,14 @@ def write_positions_from_stamps(ids: IntArray, stamps: IntArray) -> IntArray:
     if ids.size == 0:
         return counters
     present, index = np.unique(writers, return_inverse=True)
+    # As float once, from the earliest stamp: exact for any run shorter than 104 days (2**53 ns).
+    times = (stamps - stamps.min()).astype(np.float64)
     others = np.zeros(ids.size, dtype=np.float64)
     for w in range(present.size):
         mine = index == w
-        order = np.argsort(stamps[mine], kind="stable")
-        times = stamps[mine][order].astype(np.float64)
+        order = np.argsort(times[mine], kind="stable")
         written = np.maximum.accumulate(counters[mine][order]) + 1
-        count_at = np.interp(stamps.astype(np.float64), times, written, left=0.0)
+        count_at = np.interp(times, times[mine][order], written, left=0.0)
         others += np.where(mine, 0.0, count_at)
     positions: IntArray = counters + np.rint(others).astype(np.int64)
     return positions
