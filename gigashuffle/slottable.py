@@ -31,8 +31,8 @@ A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
 the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
 never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
-last search stopped, so it usually finds its slots in the first few hundred states (a nearly full table takes at
-most three numpy calls); ``draw_full`` samples by rejection and drops repeated ids with a scratch array private
+last search stopped, in windows sized from the count of full slots, so it usually finds its slots in one numpy
+call over about ``1.5 * n / (fraction not full)`` states (each further window doubles); ``draw_full`` samples by rejection and drops repeated ids with a scratch array private
 to the process. The hot ops take the lock with ``_acquire``/``_release`` rather than the generator context
 manager ``_locked`` (a few microseconds per use), and a reader returns a batch and draws the next under one hold
 (``release_and_draw``).
@@ -273,26 +273,31 @@ class SlotTable:
 
     def _first_empty(self, n: int) -> SlotIds:
         # Up to n empty slots, the first ones found scanning forward from where this process last stopped (and
-        # wrapping around). Readers empty slots uniformly at random while a writer fills the
-        # ones after its cursor, so the slots just ahead of the cursor are the ones emptied longest ago: the
-        # first window usually holds n of them, instead of a scan of the whole table per chunk. From an empty
-        # table this fills slots in order, as a scan from slot 0 would.
+        # wrapping around). Readers empty slots uniformly at random while a writer fills the ones after its
+        # cursor, so the slots just ahead of the cursor are the ones emptied longest ago. The first window is
+        # sized to hold n empty slots at the table's density of non-full slots (plus a margin), and each further
+        # window doubles: a table near min_mixing (about half full) is found in one numpy call instead of the
+        # pass over the rest of the table that a fixed-size first window fell back to whenever it came up short.
+        # From an empty table this fills slots in order, as a scan from slot 0 would.
         state, slots = self.state, self.slots
-        found: list[npt.NDArray[np.intp]] = []
-        # Windows: a first one of about what the steady state needs, then the rest up to the end of the table,
-        # then its start up to the cursor (a nearly full table is scanned in at most three numpy calls).
+        not_full = max(1, slots - int(self._header[_FULL]))
+        window = min(slots, n * slots // not_full * 3 // 2 + 256)
         start = self._cursor % slots
-        first = min(slots, start + 2 * n + 256)
+        lo, end, wrapped = start, slots, start == 0
+        found: list[npt.NDArray[np.intp]] = []
         got = 0
-        for lo, hi in ((start, first), (first, slots), (0, start)):
-            if got >= n:
-                break
-            if hi <= lo:
+        while got < n:
+            if lo >= end:
+                if wrapped:
+                    break
+                lo, end, wrapped = 0, start, True
                 continue
+            hi = min(end, lo + window)
             part = np.flatnonzero(state[lo:hi] == EMPTY)
             if len(part):
                 found.append(part + lo if lo else part)
                 got += len(part)
+            lo, window = hi, 2 * window
         if not found:
             return _NO_IDS
         ids: SlotIds = (found[0] if len(found) == 1 else np.concatenate(found))[:n].astype(np.int32)

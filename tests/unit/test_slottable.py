@@ -257,6 +257,27 @@ def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> Non
     assert table.version.min() > 8  # the clock moved past the rolled-forward versions
 
 
+def test_acquire_finds_scattered_empty_slots_in_order_from_its_cursor_and_wraps() -> None:
+    # Empty slots scattered over a table about half full (readers emptied them at random): each acquire returns
+    # exactly the next n empty slots after where the last one stopped, wrapping past the end, and finds every
+    # empty slot when asked for more than there are.
+    slots = 4096
+    table = SlotTable(slots, seed=3)
+    _fill(table, 1, slots)
+    rng = np.random.default_rng(5)
+    emptied = np.sort(rng.choice(slots, slots // 2, replace=False)).astype(np.int32)
+    table.evict(emptied)
+    first = table.acquire_empty(2, 700)
+    np.testing.assert_array_equal(first, emptied[:700])
+    second = table.acquire_empty(2, 700)
+    np.testing.assert_array_equal(second, emptied[700:1400])
+    rest = table.acquire_empty(2, slots)  # more than is empty: the remaining ones, then those before the cursor
+    np.testing.assert_array_equal(rest, emptied[1400:])
+    assert table.commit_written(2, np.concatenate([first, second, rest])) == slots // 2
+    table.evict(emptied[:10])
+    np.testing.assert_array_equal(table.acquire_empty(2, 50), emptied[:10])  # wrapped around to the start
+
+
 def _hammer(table: SlotTable, seed: int, rounds: int, log_fd: int, started_fd: int = -1) -> int:
     """A child that writes and reads at random; exits 3 if it ever finds a slot it holds held by someone else."""
     me = os.getpid()
