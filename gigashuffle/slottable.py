@@ -33,9 +33,9 @@ the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing,
 never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
 last search stopped, in windows sized from the count of full slots, so it usually finds its slots in one numpy
 call over about ``1.5 * n / (fraction not full)`` states (each further window doubles); ``draw_full`` samples
-by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the lock with ``_acquire``/``_release`` rather than the generator context
-manager ``_locked`` (a few microseconds per use), and a reader returns a batch and draws the next under one hold
-(``release_and_draw``).
+by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the lock
+with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds per
+use), and a reader returns a batch and draws the next under one hold (``release_and_draw``).
 """
 
 from __future__ import annotations
