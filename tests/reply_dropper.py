@@ -1,12 +1,14 @@
-"""A TCP proxy in front of a real Redis that loses replies: the server executes a command, the client never
-hears back.
+"""A TCP proxy in front of a real Redis that loses replies (the server executes a command, the client never hears
+back), and that can be moved to another server, as a failover moves a virtual address.
 
 That is the one fault a pause shorter than the socket timeout never produces, and the one that makes redis-py
 retry a call the server already ran (a Lua script included). The proxy forwards every request; for every
 ``every``-th request while armed, it marks the connection so that, when the server's reply arrives, it closes
 both sides instead of forwarding it. The mark is set *before* the request is forwarded, so the reply can never
 slip through first. redis-py sends one command per round trip on a connection (no pipelining here), so "the
-next reply on this connection" is the reply to that command.
+next reply on this connection" is the reply to that command. ``redirect(port)`` cuts every open connection and
+sends new ones to another server: what clients see when Sentinel or an operator fails a primary over to a
+replica behind the same address.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ class ReplyDropper:
         with self._lock:
             self._every = 0
 
+    def redirect(self, target_port: int, target_host: str = LOOPBACK) -> None:
+        """New connections go to ``target``; the open ones are cut (their clients reconnect, to the new target)."""
+        with self._lock:
+            self._target = (target_host, target_port)
+            sockets = list(self._sockets)
+            self._sockets.clear()
+        self._close(*sockets)
+
     # -- plumbing ------------------------------------------------------------------------------------------
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -65,8 +75,10 @@ class ReplyDropper:
                 continue
             except OSError:
                 return
+            with self._lock:
+                target = self._target
             try:
-                server = socket.create_connection(self._target, timeout=5.0)
+                server = socket.create_connection(target, timeout=5.0)
             except OSError:
                 client.close()
                 continue

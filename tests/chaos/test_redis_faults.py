@@ -1,5 +1,5 @@
-"""Redis faults: killed and restarted empty mid-run, restarted from an older snapshot, flushed, unreachable at
-start, and paused (SIGSTOP) for ~3 s.
+"""Redis faults: killed and restarted empty mid-run, restarted from an older snapshot, flushed, failed over to a
+lagging replica, unreachable at start, and paused (SIGSTOP) for ~3 s.
 
 A restart, a restore or a flush loses or contradicts the node session, never the rows: the buffer and its slot
 table live in shared memory. The loader must notice, rejoin under a new generation with the same processes
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import redis
 from chaos_datasets import ID_SHIFT, ChaosDataset
-from redis_servers import free_port, wait_until
+from redis_servers import RedisServer, free_port, wait_until
+from reply_dropper import ReplyDropper
 
 from gigashuffle import MultiprocessShuffledDataloader, RedisUnavailableError
 from gigashuffle.keys import QueueKeys
@@ -135,6 +136,65 @@ def test_no_row_lost_or_doubled_across_a_redis_fault(
     assert loader.child_pids()["writer"] == writers
     assert loader.stats().full == 0
     chaos.finish("nothing lost", detect_s=detect_s, rows=len(written))
+
+
+def _in_sync(replica: RedisServer) -> bool:
+    with replica.client(socket_timeout=5.0) as client:
+        info = client.info("replication")
+    return info.get("master_link_status") == "up" and int(info.get("master_repl_offset", 0)) > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_failover_to_a_lagging_replica_rejoins_and_loses_nothing(chaos: Any, tmp_path: Any, seed: int) -> None:
+    """The loader's address moves from a primary to a replica that stopped replicating a while before (so it holds
+    an older copy of every key, the generation and registrations included), as a failover to a lagging replica
+    does. Writers write a known, finite set, and the failover comes mid-read: reading that many rows gives exactly
+    that set (slot state in Redis gave rows twice here). The replica is another server (another ``run_id``): the
+    loader then rejoins with the same processes, and reads on without a row twice."""
+    chunks, rows = 24, 8  # per writer: 192 rows, 3x the buffer for both writers
+    with (
+        RedisServer(tmp_path) as primary,
+        RedisServer(tmp_path, extra_args=("--replicaof", "127.0.0.1", str(primary.port))) as replica,
+        ReplyDropper(primary.port) as address,
+    ):
+        try:
+            rng = chaos.begin("Redis fault: failover", "to a lagging replica mid-read", seed, address.url)
+            cfg = chaos.config(bs=8, num_readers=rng.choice((1, 2)), min_mixing=0.0)
+            keys = chaos.keys(cfg)
+            loader = chaos.loader(ChaosDataset(rows=rows, gate_dir=str(chaos.gate), allowance=chunks), cfg)
+            consumer = chaos.consumer(loader)
+            consumer.take(rng.randint(5, 15))
+            chaos.find_victim(loader, "owner", rng)  # every child has the buffer mapped (see the test above)
+            loader.wait_started()
+            children = loader.child_pids()
+            wait_until(lambda: _in_sync(replica), timeout_s=30.0, what="the replica to catch up with the primary")
+            old_generation = _generation(address.url, keys)
+            with replica.client(socket_timeout=5.0) as client:
+                client.replicaof("NO", "ONE")  # from here on the replica lags: the primary moves on without it
+            consumer.take(rng.randint(5, 15))
+            primary.kill()
+            address.redirect(replica.port)
+            back = time.monotonic()
+            consumer.take(2 * chunks * rows // cfg.bs - consumer.batches, timeout_s=RESTART_LIMIT_S)
+            written = {pid * ID_SHIFT + c for pid in children["writer"] for c in range(chunks * rows)}
+            delivered = consumer.ids
+            doubled = len(delivered) - len(set(delivered))
+            lost, stray = sorted(written - set(delivered)), sorted(set(delivered) - written)
+            assert (doubled, lost[:10], stray[:10]) == (0, [], []), (
+                f"{doubled} doubled, {len(lost)} lost, {len(stray)} stray"
+            )
+            chaos.open_gate()  # writers go on, so that the trainer's batch requests carry out the rejoin
+            while _generation(address.url, keys) in (None, old_generation) or not chaos.settled(loader):
+                assert time.monotonic() < back + RESTART_LIMIT_S, f"no rejoin within {RESTART_LIMIT_S} s"
+                consumer.next(timeout_s=max(back + RESTART_LIMIT_S - time.monotonic(), 1.0))
+            detect_s = time.monotonic() - back
+            consumer.take(AFTER_FAULT_BATCHES)
+            assert loader.child_pids() == children, "a child was started again: the rejoin should keep every process"
+            consumer.assert_unique()
+            figures = chaos.assert_stats(loader)
+            chaos.finish("rejoined, nothing lost", detect_s=detect_s, rows=len(written), **figures)
+        finally:
+            chaos.close_all()  # through the address while its server runs (closing twice is harmless)
 
 
 @pytest.mark.parametrize(
