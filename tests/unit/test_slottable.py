@@ -15,6 +15,7 @@ import pytest
 from slot_audit import lock_is_free
 
 from gigashuffle.buffer import SharedMemory
+from gigashuffle.reader import draw_batches as reader_draw
 from gigashuffle.slottable import (
     EMPTY,
     FULL,
@@ -343,3 +344,18 @@ def test_many_processes_every_slot_accounted_and_no_row_read_twice() -> None:
     reads = np.frombuffer(b"".join(chunks), dtype=np.int64).reshape(-1, 2)
     pairs = {(int(i), int(v)) for i, v in reads}
     assert len(pairs) == len(reads) > 0  # every (slot, version) -- one written row -- was read at most once
+
+
+def test_a_reader_draws_several_batches_per_hold_and_one_when_too_few_are_full() -> None:
+    table = SlotTable(64, seed=4)
+    _fill(table, 1, 12)
+    me = os.getpid()
+    got = reader_draw(table, me, bs=8, batches=2, min_full=0)
+    assert got is not None and len(got[0]) == 8  # 12 full: one batch, not nothing
+    assert table.release_read(me, got[0], evict=True) == 8
+    assert reader_draw(table, me, bs=8, batches=2, min_full=0) is None  # 4 full: not even one batch
+    _fill(table, 1, 40)
+    got = reader_draw(table, me, bs=8, batches=3, min_full=0)
+    assert got is not None and len(got[0]) == 24 and len(set(got[0].tolist())) == 24
+    assert (table.state[got[0]] == READING).all()
+    np.testing.assert_array_equal(table.version[got[0]], got[1])
