@@ -15,9 +15,9 @@ delivered); killed between release and announcement, its batches are dropped, ne
 draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and cannot starve the rest
 of the node. Up to ``ring_depth`` batches are in flight.
 
-Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds each, side by side): up to
-four batches per draw instead of one gave tokens 222-233k -> 287-290k rows/s and 7.1-7.4 -> 6.0 CPU-us per row
-(the trainer too is woken once per draw), tiny 3.0-3.2M -> 3.5-3.6M rows/s.
+Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
+docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
+7.3-8.2 -> 6.3-6.8 CPU-us per row (the trainer too is woken once per draw), tiny 2.9-3.1M -> 3.6M rows/s.
 
 With fill_once=True the reader waits for a full buffer, then gathers this rank's share of the slots in slot
 order, once per pass the trainer asks for, drawing nothing.
