@@ -51,6 +51,15 @@ def _fault(kind: str, redis_server: Any, rng: Any, consumer: Any) -> float:
     return time.monotonic()
 
 
+def _assert_exactly_the_written_set(writers: list[int], rows_each: int, delivered: list[int]) -> set[int]:
+    """Every row each writer wrote (ids ``pid * ID_SHIFT + n``, n < rows_each) delivered once, nothing else."""
+    written = {pid * ID_SHIFT + c for pid in writers for c in range(rows_each)}
+    doubled = len(delivered) - len(set(delivered))
+    lost, stray = sorted(written - set(delivered)), sorted(set(delivered) - written)
+    assert (doubled, lost[:10], stray[:10]) == (0, [], []), f"{doubled} doubled, {len(lost)} lost, {len(stray)} stray"
+    return written
+
+
 def _needs_snapshot_dir(redis_server: Any, kind: str) -> Any:
     directory = getattr(redis_server, "directory", None)
     if kind == "snapshot" and directory is None:
@@ -128,11 +137,7 @@ def test_no_row_lost_or_doubled_across_a_redis_fault(
     finally:
         if dump is not None:
             dump.unlink(missing_ok=True)
-    written = {pid * ID_SHIFT + c for pid in writers for c in range(chunks * rows)}
-    delivered = consumer.ids
-    doubled = len(delivered) - len(set(delivered))
-    lost, stray = sorted(written - set(delivered)), sorted(set(delivered) - written)
-    assert (doubled, lost[:10], stray[:10]) == (0, [], []), f"{doubled} doubled, {len(lost)} lost, {len(stray)} stray"
+    written = _assert_exactly_the_written_set(writers, chunks * rows, consumer.ids)
     assert loader.child_pids()["writer"] == writers
     assert loader.stats().full == 0
     chaos.finish("nothing lost", detect_s=detect_s, rows=len(written))
@@ -176,13 +181,7 @@ def test_failover_to_a_lagging_replica_rejoins_and_loses_nothing(chaos: Any, tmp
             address.redirect(replica.port)
             back = time.monotonic()
             consumer.take(2 * chunks * rows // cfg.bs - consumer.batches, timeout_s=RESTART_LIMIT_S)
-            written = {pid * ID_SHIFT + c for pid in children["writer"] for c in range(chunks * rows)}
-            delivered = consumer.ids
-            doubled = len(delivered) - len(set(delivered))
-            lost, stray = sorted(written - set(delivered)), sorted(set(delivered) - written)
-            assert (doubled, lost[:10], stray[:10]) == (0, [], []), (
-                f"{doubled} doubled, {len(lost)} lost, {len(stray)} stray"
-            )
+            written = _assert_exactly_the_written_set(children["writer"], chunks * rows, consumer.ids)
             chaos.open_gate()  # writers go on, so that the trainer's batch requests carry out the rejoin
             while _generation(address.url, keys) in (None, old_generation) or not chaos.settled(loader):
                 assert time.monotonic() < back + RESTART_LIMIT_S, f"no rejoin within {RESTART_LIMIT_S} s"
