@@ -4,11 +4,13 @@ Used between a trainer and its own children (socketpairs that only our process t
 there) and, with JSON payloads, on the attach socket.
 
 NOTE [ Per-batch messages ]
-``BatchReady(k)`` and ``FreeSlot(k)`` cross once per batch each way and only ever name a ring slot, so there are
-``ring_depth`` distinct ones per reader. Pickling a dataclass costs a few microseconds (more than the send), so
-``send`` reuses the pickle of an equal message sent before and ``recv`` the object unpickled from an equal payload
-before; both types are frozen (immutable, compared by value), so a shared instance is indistinguishable from a
-fresh one. Other messages (contexts, states: arbitrary and possibly mutable objects) are pickled every time.
+``BatchReady(ks)`` and ``FreeSlot(ks)`` cross at most once per batch each way (a reader announces the batches of one
+draw in one message, the trainer returns the ring slots it freed of one reader in one) and only ever name ring
+slots, so there are few distinct ones per reader (64 orderings of at most 4 slots of a ring 4 deep). Pickling a
+dataclass costs a few microseconds (more than the send), so ``send`` reuses the pickle of an equal message sent
+before and ``recv`` the object unpickled from an equal payload before; both types are frozen (immutable, compared by
+value), so a shared instance is indistinguishable from a fresh one. Other messages (contexts, states: arbitrary and
+possibly mutable objects) are pickled every time.
 """
 
 from __future__ import annotations

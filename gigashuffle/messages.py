@@ -22,9 +22,10 @@ class RingReady:
 
 @dataclass(frozen=True)
 class BatchReady:
-    """Ring slot ``k`` holds a gathered batch; the trainer answers ``FreeSlot(k)`` once the caller drops it."""
+    """Ring slots ``ks`` hold gathered batches, to be delivered in this order; the trainer answers ``FreeSlot``
+    for each once the caller drops its batch. One message per draw of the reader, not per batch."""
 
-    k: int
+    ks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,9 @@ class ChildError:
 
 @dataclass(frozen=True)
 class FreeSlot:
-    k: int
+    """The caller dropped the batches in ring slots ``ks``: the reader may gather into them again."""
+
+    ks: tuple[int, ...]
 
 
 @dataclass(frozen=True)

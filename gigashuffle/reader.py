@@ -1,19 +1,19 @@
 """The reader loop: gather random full slots into the ring, tell the trainer which ring slot is ready.
 
 NOTE [ Reader cycle ]
-The trainer maps the reader's ring (its fd crosses once, at start); per batch only ``BatchReady(k)`` and later
-``FreeSlot(k)`` cross the channel, and nothing goes to Redis. Per hold of the node lock the reader draws the
-slots of as many batches as it has free ring slots, up to ``shuffle_size // (8 * bs)`` (a transition costs
-30-50 us under the lock whatever its size, so fewer and larger ones leave the lock free more often, and a
-reader never holds more than an eighth of the buffer). ``draw_full`` takes them uniformly at random among the
-full slots (``reading`` under this pid, once at least ``min_full_slots`` are full); the rows, their slot ids and
-versions are gathered into the free ring slots, ``bs`` rows each, without any lock held; ``release_read``
-returns the slots (to empty, or to full when evict_on_read=False), and only then are the batches announced.
-With free ring slots left, that release and the next draw share one hold of the lock (``release_and_draw``). A
-reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to full (never
-delivered); killed between release and announcement, its batches are dropped, never delivered twice. The reader
-draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and cannot starve the rest
-of the node. Up to ``ring_depth`` batches are in flight.
+The trainer maps the reader's ring (its fd crosses once, at start); then only ``BatchReady`` (the ring slots of one
+draw's batches, in one message) and later ``FreeSlot`` cross the channel, and nothing goes to Redis. Per hold of the
+node lock the reader draws the slots of as many batches as it has free ring slots, up to
+``shuffle_size // (8 * bs)`` (a transition costs 30-50 us under the lock whatever its size, so fewer and larger ones
+leave the lock free more often, and a reader never holds more than an eighth of the buffer). ``draw_full`` takes
+them uniformly at random among the full slots (``reading`` under this pid, once at least ``min_full_slots`` are
+full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs`` rows each, without any
+lock held; ``release_read`` returns the slots (to empty, or to full when evict_on_read=False), and only then are the
+batches announced. With free ring slots left, that release and the next draw share one hold of the lock
+(``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to
+full (never delivered); killed between release and announcement, its batches are dropped, never delivered twice. The
+reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and cannot starve the
+rest of the node. Up to ``ring_depth`` batches are in flight.
 
 Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
 docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
@@ -74,7 +74,7 @@ def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild
     while env.channel.poll(timeout):
         message, _ = env.channel.recv()
         if isinstance(message, FreeSlot):
-            free.append(message.k)
+            free.extend(message.ks)
         elif isinstance(message, Rejoin):
             env.rejoin(message.generation)
         else:
@@ -127,8 +127,7 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
             released, drawn = table.release_read(me, slots, evict), None
         if released != len(slots):
             raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
-        for k in ring_slots:
-            env.channel.send(BatchReady(k))
+        env.channel.send(BatchReady(tuple(ring_slots)))
 
 
 def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int) -> tuple[SlotIds, Versions] | None:
@@ -162,5 +161,5 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
                 k = free.popleft()
                 ids = order[b * cfg.bs : (b + 1) * cfg.bs]
                 _gather(buffer, ring, k, ids, table.version[ids])
-                env.channel.send(BatchReady(k))
+                env.channel.send(BatchReady((k,)))
             env.channel.send(PassEnd(message.number))

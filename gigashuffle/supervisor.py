@@ -199,7 +199,7 @@ class Supervisor:
 
     def _on_message(self, child: ChildProcess, message: object, fds: list[int]) -> None:
         if isinstance(message, BatchReady):
-            self.ready.append((child, message.k))
+            self.ready.extend((child, k) for k in message.ks)
         elif isinstance(message, RingReady):
             memory = SharedMemory(message.nbytes, fds[0])
             memory.close_fd()
@@ -404,21 +404,29 @@ class Supervisor:
         return release
 
     def flush_frees(self) -> None:
-        """Hand the ring slots of batches the caller dropped back to their readers."""
-        while self.to_free:
+        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader."""
+        if len(self.to_free) == 1:  # the usual case: the caller dropped the batch before this one
             child, k = self.to_free.popleft()
             child.held -= 1
             self.send_free(child, k)
+        elif self.to_free:
+            freed: dict[int, tuple[ChildProcess, list[int]]] = {}
+            while self.to_free:
+                child, k = self.to_free.popleft()
+                child.held -= 1
+                freed.setdefault(id(child), (child, []))[1].append(k)
+            for child, ks in freed.values():
+                self.send_free(child, *ks)
         if self._dead:
             self._forget_dead()
 
-    def send_free(self, child: ChildProcess, k: int) -> None:
+    def send_free(self, child: ChildProcess, *ks: int) -> None:
         if not child.alive:
             return
         try:
-            child.channel.send(FreeSlot(k))
+            child.channel.send(FreeSlot(ks))
         except OSError:
-            log.debug("%s %d is gone; its ring slot %d is not returned", child.role, child.index, k)
+            log.debug("%s %d is gone; its ring slots %s are not returned", child.role, child.index, ks)
 
     def writers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "writer" and c.alive]
