@@ -35,7 +35,8 @@ last search stopped, in windows sized from the count of full slots, so it usuall
 call over about ``1.5 * n / (fraction not full)`` states (each further window doubles); ``draw_full`` samples
 by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the lock
 with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds per
-use), and a reader returns a batch and draws the next under one hold (``release_and_draw``).
+use); a reader returns a batch and draws the next under one hold (``release_and_draw``), and a writer publishes a
+chunk and reserves the slots of the next under one (``commit_and_acquire``; ``give_back`` returns a reservation).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ _MAGIC = 0x67735F736C6F7433  # "gs_slot3"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
 # read, the journaled new value of the row counter the op moves, full slots, and their journaled new count
 _WRITTEN, _READ, _JCOUNT, _FULL, _JFULL = 6, 7, 8, 9, 10
-_ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR = range(1, 8)
+_ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
 # This process's pid, kept current across os.fork() by the hook below: os.getpid() is a system call, and every
@@ -224,6 +225,8 @@ class SlotTable:
         elif op == _RELEASE_EVICT:  # every id was reading (or reading-then-evict) under pid
             state[ids] = EMPTY
             self._header[_READ] = self._header[_JCOUNT]
+        elif op == _GIVE_BACK:  # every id was writing under pid (reserved, not written)
+            state[ids] = EMPTY
         else:
             old = state.take(ids)
             if op == _RELEASE_KEEP:
@@ -308,10 +311,36 @@ class SlotTable:
         """Publish slots ``pid`` wrote (each gets a new version); returns how many it still held."""
         self._acquire()
         try:
+            return self._commit_written(pid, ids)
+        finally:
+            self._release()
+
+    def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int) -> tuple[int, SlotIds]:
+        """``commit_written`` then ``acquire_empty(pid, n)`` under one hold of the lock (two journaled ops): a
+        writer publishes what it wrote and reserves the slots for its next rows. Returns how many it still held,
+        and the new slots."""
+        self._acquire()
+        try:
+            committed = self._commit_written(pid, ids)
+            fresh = self._first_empty(n) if n > 0 else _NO_IDS
+            self._commit(_ACQUIRE, pid, fresh)
+        finally:
+            self._release()
+        return committed, fresh
+
+    def _commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
+        mine = self._held(pid, ids, (WRITING,))
+        clock = int(self._header[5])
+        versions = np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64)
+        self._commit(_COMMIT, pid, mine, versions, int(self._header[_FULL]) + len(mine))
+        return len(mine)
+
+    def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
+        """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
+        self._acquire()
+        try:
             mine = self._held(pid, ids, (WRITING,))
-            clock = int(self._header[5])
-            versions = np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64)
-            self._commit(_COMMIT, pid, mine, versions, int(self._header[_FULL]) + len(mine))
+            self._commit(_GIVE_BACK, pid, mine)
         finally:
             self._release()
         return len(mine)

@@ -94,6 +94,26 @@ def test_only_the_holder_moves_its_slots() -> None:
     assert table.snapshot().reading == 4
 
 
+def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back_what_it_did_not_write() -> None:
+    table = SlotTable(10, seed=4)
+    first = table.acquire_empty(1, 4)
+    committed, reserved = table.commit_and_acquire(1, first, 4)
+    assert committed == 4 and len(reserved) == 4 and not set(reserved.tolist()) & set(first.tolist())
+    assert (table.state[first] == FULL).all() and (table.state[reserved] == WRITING).all()
+    assert (table.holder[reserved] == 1).all()
+    assert table.snapshot() == TableSnapshot(empty=2, writing=4, full=4, reading=0)
+    assert table.rows_moved() == (4, 0)  # a reservation is not a write
+    assert len(table.commit_and_acquire(1, reserved[:2], 5)[1]) == 2  # only what is empty is reserved
+    held, fresh = table.commit_and_acquire(2, reserved[2:], 1)
+    assert held == 0 and len(fresh) == 0  # not pid 2's slots, and none is empty
+    assert table.give_back(2, reserved[2:]) == 0  # not pid 2's
+    assert table.give_back(1, reserved[2:]) == 2
+    assert (table.state[reserved[2:]] == EMPTY).all()
+    assert table.snapshot() == TableSnapshot(empty=2, writing=2, full=6, reading=0)
+    assert table.rows_moved() == (6, 0)
+    assert table.give_back(1, reserved[2:]) == 0  # already empty: a retry gives back nothing
+
+
 def test_versions_bump_on_every_write_and_stale_evicts_are_ignored() -> None:
     table = SlotTable(4, seed=3)
     _fill(table, 1, 4)

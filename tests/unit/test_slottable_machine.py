@@ -156,7 +156,7 @@ def _serve(conn: Connection, table: SlotTable, rows: npt.NDArray[np.int64]) -> N
             op, args, kill_at = conn.recv()
         except (EOFError, ConnectionResetError):  # the test is done with this actor
             return
-        if op == "commit":
+        if op in ("commit", "commit_acquire"):
             # The row copy: before the commit and outside the lock, as a writer does; never torn by a kill here.
             rows[args[0]] = args[1]
         sys.settrace(_KillAtLine(kill_at, conn) if kill_at is not None else None)
@@ -165,6 +165,10 @@ def _serve(conn: Connection, table: SlotTable, rows: npt.NDArray[np.int64]) -> N
                 result: Any = table.acquire_empty(me, args)
             elif op == "commit":
                 result = table.commit_written(me, args[0])
+            elif op == "commit_acquire":
+                result = table.commit_and_acquire(me, args[0], args[2])
+            elif op == "give_back":
+                result = table.give_back(me, args)
             elif op == "draw":
                 result = table.draw_full(me, *args)
             elif op == "release":
@@ -409,6 +413,23 @@ class SlotTableMachine(RuleBasedStateMachine):
             self._expect_full(holds)  # a draw after the release: it held nothing in between
             actor.held = holds
 
+    def _settle_commit_acquire(self, reply: Reply, part: str, holds: list[int], committed: dict[int, bool]) -> None:
+        """A writer killed in commit_and_acquire: the commit and the acquire are two journaled ops, so it did
+        neither, the commit alone, or both. Its slots still held tell which: the ones it wrote (neither), none (the
+        commit; or both, with nothing left to acquire), or others, all empty before (both)."""
+        actor = self.actors[reply.actor]
+        if part == "commit":
+            mine = sorted(actor.held)
+            assert holds == mine or not set(holds) & set(mine), f"a commit half-applied: held {mine}, holds {holds}"
+            committed[reply.actor] = holds != mine
+            event(f"a writer killed in commit_and_acquire: commit {'took effect' if holds != mine else 'undone'}")
+            if committed[reply.actor]:
+                self._committed(actor.held, reply.args[1])
+                actor.held = []
+        elif committed[reply.actor]:
+            self._expect_empty(holds)  # an acquire after the commit: it held nothing in between
+            actor.held = holds
+
     def _settle(self, reply: Reply, holds: list[int], old_corpses: list[Actor]) -> None:
         """What a dead actor's last op did, read from what the (rolled forward) table still holds under its pid:
         each op is one journaled transition, so it happened whole or not at all."""
@@ -420,6 +441,10 @@ class SlotTableMachine(RuleBasedStateMachine):
             if not holds:
                 self._committed(actor.held, reply.args[1])
                 actor.held = []
+        elif reply.op == "give_back":
+            assert holds in ([], mine), f"a give_back half-applied: held {mine}, still holds {holds}"
+            event(f"a writer killed in give_back: {'undone' if holds else 'took effect'}")
+            actor.held = holds
         elif reply.op == "acquire":
             assert set(mine) <= set(holds)
             self._expect_empty(sorted(set(holds) - set(mine)))
@@ -484,7 +509,11 @@ class SlotTableMachine(RuleBasedStateMachine):
             elif actor.role == WRITER and actor.held and flag:
                 tokens = np.arange(self.next_token, self.next_token + len(actor.held), dtype=np.int64)
                 self.next_token += len(actor.held)
-                op, args = "commit", (np.array(actor.held, dtype=np.int32), tokens)
+                # An even n: commit and reserve the next rows' slots under one hold of the lock.
+                op = "commit" if n % 2 else "commit_acquire"
+                args = (np.array(actor.held, dtype=np.int32), tokens, n)
+            elif actor.role == WRITER and actor.held and n == 1:  # a writer gives back slots it did not write
+                op, args = "give_back", np.array(actor.held, dtype=np.int32)
             elif actor.role == WRITER:
                 op, args = "acquire", n
             elif actor.held and n % 2:
@@ -522,15 +551,19 @@ class SlotTableMachine(RuleBasedStateMachine):
         # reader then draws. Acquires and draws touch disjoint states, and so do commits and releases.
         # A release_draw is a release and a draw under one hold of the lock, so it explains itself as a release
         # (taking place with the releases) followed by a draw (with the draws).
-        order = {"repair": 0, "release": 1, "commit": 2, "acquire": 3, "draw": 4}
-        steps = [(order[r.op], r.op, r) for r in replies if r.op != "release_draw"]
-        steps += [(o, part, r) for r in replies if r.op == "release_draw" for o, part in ((1, "release"), (4, "draw"))]
+        # A commit_acquire is likewise a commit followed by an acquire; a give_back empties slots as releases do.
+        order = {"repair": 0, "release": 1, "give_back": 1, "commit": 2, "acquire": 3, "draw": 4}
+        fused = {"release_draw": ((1, "release"), (4, "draw")), "commit_acquire": ((2, "commit"), (3, "acquire"))}
+        steps = [(order[r.op], r.op, r) for r in replies if r.op not in fused]
+        steps += [(o, part, r) for r in replies if r.op in fused for o, part in fused[r.op]]
         self.new_versions = []
-        fused_released: dict[int, bool] = {}  # release_draw victims: whether their release took effect
+        fused_done: dict[int, bool] = {}  # fused victims: whether their first op took effect
         for _order, part, reply in sorted(steps, key=lambda step: step[0]):
             actor = self.actors[reply.actor]
             if reply.result is None and reply.op == "release_draw":
-                self._settle_fused(reply, part, holds[reply.actor], fused_released)
+                self._settle_fused(reply, part, holds[reply.actor], fused_done)
+            elif reply.result is None and reply.op == "commit_acquire":
+                self._settle_commit_acquire(reply, part, holds[reply.actor], fused_done)
             elif reply.result is None:
                 self._settle(reply, holds[reply.actor], old_corpses)
             elif reply.op == "release_draw" and part == "release":
@@ -539,6 +572,20 @@ class SlotTableMachine(RuleBasedStateMachine):
             elif reply.op == "release_draw":
                 ids, versions, tokens = (x.tolist() for x in reply.result[1:])
                 self._drew(actor, ids, versions, tokens, reply.args[2])
+            elif reply.op == "commit_acquire" and part == "commit":
+                assert reply.result[0] == len(actor.held), "a live writer lost slots it was writing"
+                self._committed(actor.held, reply.args[1])
+                actor.held = []
+            elif reply.op == "commit_acquire":
+                ids = reply.result[1].tolist()
+                assert len(ids) == len(set(ids)) <= reply.args[2]
+                self._expect_empty(ids)
+                if solo:  # the commit moved slots from writing to full: as many are empty as before
+                    assert len(ids) == min(reply.args[2], empty_before)
+                actor.held = ids
+            elif reply.op == "give_back":
+                assert reply.result == len(actor.held), "a live writer lost slots it had reserved"
+                actor.held = []
             elif reply.op == "repair":
                 assert reply.result == sum(len(c.held) for c in old_corpses)
                 self._repaired(old_corpses)
