@@ -22,8 +22,9 @@ Why a kill at any instruction loses no slot and blocks nobody:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Three counts live in the header: full slots (read by every draw, so that no draw passes over the whole table)
-  and the totals of rows written and read (for ``gigashuffle stats``). An op journals each count's new value,
+- Four counts live in the header: full slots (read by every draw, so that no draw passes over the whole table),
+  empty slots (read by every acquire, so that a writer waiting on a full buffer scans nothing), and the totals of
+  rows written and read (for ``gigashuffle stats``). An op journals each count's new value,
   computed under the lock before the commit point, and applying the op sets that value: a roll-forward cannot
   count twice. ``snapshot()`` still counts ``state`` itself.
 A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
@@ -59,10 +60,11 @@ SlotIds = npt.NDArray[np.int32]
 Versions = npt.NDArray[np.int64]
 
 EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
-_MAGIC = 0x67735F736C6F7433  # "gs_slot3"
+_MAGIC = 0x67735F736C6F7434  # "gs_slot4"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
-# read, the journaled new value of the row counter the op moves, full slots, and their journaled new count
-_WRITTEN, _READ, _JCOUNT, _FULL, _JFULL = 6, 7, 8, 9, 10
+# read, the journaled new value of the row counter the op moves, full slots and their journaled new count, empty
+# slots and theirs
+_WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 6, 7, 8, 9, 10, 11, 12
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
 _NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
@@ -127,6 +129,7 @@ class SlotTable:
         self.state = raw[offset : offset + slots]
         if memory is None:
             self._header[:2] = (_MAGIC, slots)
+            self._header[_EMPTY] = slots
         elif self._header[0] != _MAGIC or self._header[1] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
         self._rng = np.random.default_rng(seed)
@@ -181,9 +184,11 @@ class SlotTable:
         finally:
             self._thread_lock.release()
 
-    def _commit(self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None, full_after: int = -1) -> None:
-        """Journal the op, apply it, clear the journal. ``full_after``: the count of full slots once it is applied
-        (-1: the op moves no slot into or out of full)."""
+    def _commit(
+        self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None, full_after: int = -1, empty_after: int = -1
+    ) -> None:
+        """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
+        of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""
         n = len(ids)
         if n == 0:
             return
@@ -198,6 +203,7 @@ class SlotTable:
         elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
             header[_JCOUNT] = header[_READ] + n
         header[_JFULL] = header[_FULL] if full_after < 0 else full_after
+        header[_JEMPTY] = header[_EMPTY] if empty_after < 0 else empty_after
         header[2] = n  # the commit point: from here on the op happens, even if we die
         self._apply(op, pid, ids, aux)
         header[2] = 0
@@ -242,6 +248,7 @@ class SlotTable:
             else:
                 raise AssertionError(f"unknown slot table op {op} in the journal")
         self._header[_FULL] = self._header[_JFULL]
+        self._header[_EMPTY] = self._header[_JEMPTY]
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
         given: SlotIds = np.asarray(ids, dtype=np.int32)
@@ -269,7 +276,7 @@ class SlotTable:
         self._acquire()
         try:
             ids = self._first_empty(n)
-            self._commit(_ACQUIRE, pid, ids)
+            self._commit(_ACQUIRE, pid, ids, None, -1, int(self._header[_EMPTY]) - len(ids))
         finally:
             self._release()
         return ids
@@ -277,14 +284,19 @@ class SlotTable:
     def _first_empty(self, n: int) -> SlotIds:
         # Up to n empty slots, the first ones found scanning forward from where this process last stopped (and
         # wrapping around). Readers empty slots uniformly at random while a writer fills the ones after its
-        # cursor, so the slots just ahead of the cursor are the ones emptied longest ago. The first window is
-        # sized to hold n empty slots at the table's density of non-full slots (plus a margin), and each further
-        # window doubles: a table near min_mixing (about half full) is found in one numpy call instead of the
-        # pass over the rest of the table that a fixed-size first window fell back to whenever it came up short.
+        # cursor, so the slots just ahead of the cursor are the ones emptied longest ago. The header counts the
+        # empty slots: none means no scan at all (a writer waiting on a full buffer polls this), and the scan
+        # stops once it has every one there is. The first window is sized to hold n empty slots at the table's
+        # density of empty slots (plus a margin), and each further window doubles: a table near min_mixing
+        # (about half full) is found in one numpy call instead of the pass over the rest of the table that a
+        # fixed-size first window fell back to whenever it came up short.
         # From an empty table this fills slots in order, as a scan from slot 0 would.
         state, slots = self.state, self.slots
-        not_full = max(1, slots - int(self._header[_FULL]))
-        window = min(slots, n * slots // not_full * 3 // 2 + 256)
+        empty = int(self._header[_EMPTY])
+        n = min(n, empty)
+        if n <= 0:
+            return _NO_IDS
+        window = min(slots, n * slots // empty * 3 // 2 + 256)
         start = self._cursor % slots
         lo, end, wrapped = start, slots, start == 0
         found: list[npt.NDArray[np.intp]] = []
@@ -316,14 +328,16 @@ class SlotTable:
             self._release()
 
     def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int) -> tuple[int, SlotIds]:
-        """``commit_written`` then ``acquire_empty(pid, n)`` under one hold of the lock (two journaled ops): a
-        writer publishes what it wrote and reserves the slots for its next rows. Returns how many it still held,
-        and the new slots."""
+        """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty, else none,
+        under one hold of the lock (two journaled ops). All or nothing: a writer that took the few slots just
+        emptied would cut its next chunk into as many small pieces, each a copy and a transition of its own.
+        Returns how many slots it still held, and the new ones."""
         self._acquire()
         try:
             committed = self._commit_written(pid, ids)
-            fresh = self._first_empty(n) if n > 0 else _NO_IDS
-            self._commit(_ACQUIRE, pid, fresh)
+            empty = int(self._header[_EMPTY])
+            fresh = self._first_empty(n) if 0 < n <= empty else _NO_IDS
+            self._commit(_ACQUIRE, pid, fresh, None, -1, empty - len(fresh))
         finally:
             self._release()
         return committed, fresh
@@ -340,7 +354,7 @@ class SlotTable:
         self._acquire()
         try:
             mine = self._held(pid, ids, (WRITING,))
-            self._commit(_GIVE_BACK, pid, mine)
+            self._commit(_GIVE_BACK, pid, mine, None, -1, int(self._header[_EMPTY]) + len(mine))
         finally:
             self._release()
         return len(mine)
@@ -411,11 +425,12 @@ class SlotTable:
 
     def _release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         mine = self._held(pid, ids, (READING, READING_EVICT))
+        empty = int(self._header[_EMPTY])
         if evict:
-            self._commit(_RELEASE_EVICT, pid, mine)
-        else:
+            self._commit(_RELEASE_EVICT, pid, mine, None, -1, empty + len(mine))
+        else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
-            self._commit(_RELEASE_KEEP, pid, mine, None, int(self._header[_FULL]) + back)
+            self._commit(_RELEASE_KEEP, pid, mine, None, int(self._header[_FULL]) + back, empty + len(mine) - back)
         return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None) -> int:
@@ -431,7 +446,8 @@ class SlotTable:
                 ok &= (wanted == -1) | (self.version[ids] == wanted)
             chosen = np.unique(ids[ok])
             gone = int(np.count_nonzero(self.state[chosen] == FULL))
-            self._commit(_EVICT, 0, chosen, None, int(self._header[_FULL]) - gone)
+            header = self._header
+            self._commit(_EVICT, 0, chosen, None, int(header[_FULL]) - gone, int(header[_EMPTY]) + gone)
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
@@ -445,7 +461,8 @@ class SlotTable:
             gone = [p for p in np.unique(holders).tolist() if p in dead_set or not pid_alive(p)]
             ids = held[np.isin(holders, gone)]
             back = int(np.count_nonzero(self.state[ids] == READING))
-            self._commit(_REPAIR, 0, ids, None, int(self._header[_FULL]) + back)
+            header = self._header  # writing and reading-then-evict slots become empty, reading ones full
+            self._commit(_REPAIR, 0, ids, None, int(header[_FULL]) + back, int(header[_EMPTY]) + len(ids) - back)
         return len(ids)
 
     def rows_moved(self) -> tuple[int, int]:

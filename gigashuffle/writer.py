@@ -3,18 +3,15 @@
 NOTE [ Writer cycle ]
 Per chunk: the rows are copied, one row assignment per field and without any lock held, into empty slots the
 writer holds as ``writing``; then one hold of the node lock both publishes them (``full``, each with a new
-version) and reserves the slots for the next chunk, as many as this chunk had (``commit_and_acquire``: two
-journaled ops). So a steady writer takes the lock once per chunk, not twice, and a dataset that waits for data,
-or has none left, still never keeps rows it wrote invisible: what it holds meanwhile are empty slots. A shorter
-next chunk leaves the rest reserved for the one after; a longer one, or a reservation cut short by a full buffer,
-acquires the rest as it goes. A writer about to idle on an empty share gives its reservation back
+version) and reserves the slots for the next chunk, as many as this chunk had, if that many are empty
+(``commit_and_acquire``: two journaled ops). So a steady writer takes the lock once per chunk, not twice, and a
+dataset that waits for data, or has none left, still never keeps rows it wrote invisible: what it holds meanwhile
+are empty slots. A shorter next chunk leaves the rest reserved for the one after; a longer one, or one with no
+reservation (the buffer was nearly full), acquires what it lacks as it goes (``acquire_empty``, as many as are
+empty, each piece committed on its own). A writer about to idle on an empty share gives its reservation back
 (``give_back``), so that fill_once can still fill the buffer. When nothing is empty the writer backs off from
 0.5 ms and meanwhile answers the trainer's messages. No Redis. A writer killed mid-copy leaves ``writing`` slots
 under its pid, which ``repair()`` returns to empty (their rows may be torn), reserved ones included.
-
-Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, side by side with the commit before;
-docs/benchmarks.md): with batched ring messages, tokens 237-257k -> 279-284k rows/s, 6.8-7.4 -> 6.3-6.4 CPU-us
-per row.
 
 NOTE [ Empty shares ]
 Writers see a job-wide ``get_worker_info()``, so a source that shards by worker (Hugging Face ``datasets``,
@@ -245,10 +242,8 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             slots = reserved.take(rows - done)
             buffer.write(slots, as_bytes, done)
             done += len(slots)
-            # The rest of this chunk, or else as many rows as this chunk had for the next one.
-            want = (rows - done if done < rows else rows) - reserved.held()
-            if want > 0:
-                held, fresh = table.commit_and_acquire(me, slots, want)
+            if done == rows and reserved.held() < rows:  # reserve as many rows as this chunk had for the next
+                held, fresh = table.commit_and_acquire(me, slots, rows - reserved.held())
                 reserved.add(fresh)
             else:
                 held = table.commit_written(me, slots)

@@ -103,7 +103,8 @@ def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back
     assert (table.holder[reserved] == 1).all()
     assert table.snapshot() == TableSnapshot(empty=2, writing=4, full=4, reading=0)
     assert table.rows_moved() == (4, 0)  # a reservation is not a write
-    assert len(table.commit_and_acquire(1, reserved[:2], 5)[1]) == 2  # only what is empty is reserved
+    assert len(table.commit_and_acquire(1, reserved[:1], 5)[1]) == 0  # all or nothing: 2 are empty
+    assert len(table.commit_and_acquire(1, reserved[1:2], 2)[1]) == 2
     held, fresh = table.commit_and_acquire(2, reserved[2:], 1)
     assert held == 0 and len(fresh) == 0  # not pid 2's slots, and none is empty
     assert table.give_back(2, reserved[2:]) == 0  # not pid 2's
@@ -225,6 +226,7 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
 
             table._header[3:5] = (slottable._RELEASE_EVICT, me)
             table._header[slottable._JFULL] = 4  # an evicting release leaves the 4 full slots as they are
+            table._header[slottable._JEMPTY] = 6  # and empties the 6 it held
             table._jids[: len(got)] = got
             if applied != "none":
                 table._header[2] = len(got)  # the commit point
@@ -261,6 +263,7 @@ def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> Non
             table._header[3:5] = (slottable._COMMIT, me)
             table._header[slottable._JCOUNT] = 8  # rows written once the commit is applied
             table._header[slottable._JFULL] = 8  # and full slots
+            table._header[slottable._JEMPTY] = 0  # none empty, as the acquire left it
             table._header[2] = 8
             table._apply(slottable._COMMIT, me, ids[:5], versions[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)

@@ -580,8 +580,8 @@ class SlotTableMachine(RuleBasedStateMachine):
                 ids = reply.result[1].tolist()
                 assert len(ids) == len(set(ids)) <= reply.args[2]
                 self._expect_empty(ids)
-                if solo:  # the commit moved slots from writing to full: as many are empty as before
-                    assert len(ids) == min(reply.args[2], empty_before)
+                if solo:  # all or nothing; the commit moved slots from writing to full: as many are empty as before
+                    assert len(ids) == (reply.args[2] if empty_before >= reply.args[2] else 0)
                 actor.held = ids
             elif reply.op == "give_back":
                 assert reply.result == len(actor.held), "a live writer lost slots it had reserved"
@@ -732,6 +732,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                                          int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
         assert snapshot.empty + snapshot.writing + snapshot.full + snapshot.reading == SLOTS
         assert int(table._header[slottable._FULL]) == counts[FULL], "the stored count of full slots drifted"
+        assert int(table._header[slottable._EMPTY]) == counts[EMPTY], "the stored count of empty slots drifted"
 
         expected = np.full(SLOTS, EMPTY, dtype=np.uint8)
         for slot, (token, written) in self.live.items():
