@@ -89,11 +89,28 @@ class CopyFloor:
         return self.workload.bs
 
 
-def copy_floor(workload: Workload, seconds: float, warmup_batches: int = 3, max_batches: int | None = None) -> Rate:
+def copy_floor(
+    workload: Workload,
+    seconds: float,
+    warmup_batches: int = 3,
+    max_batches: int | None = None,
+    threads: int | None = None,
+) -> Rate:
+    """The copy floor's rate; with ``threads``, torch's intra-op threads are set to that many for the run.
+
+    The default (torch's own, one per core) lets ``index_select`` of large rows use every core, which no single
+    loader process does (readers and writers run one thread each): ``threads=1`` measures what one reader's
+    gather can reach at most."""
     floor = CopyFloor(workload)
-    for _ in range(warmup_batches):
-        floor.step()
-    return timed_batches(floor.step, seconds, workload.row_bytes, max_batches)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for _ in range(warmup_batches):
+            floor.step()
+        return timed_batches(floor.step, seconds, workload.row_bytes, max_batches)
+    finally:
+        torch.set_num_threads(before)
 
 
 class _ChunkCursor:

@@ -208,6 +208,7 @@ def run_workload(
     if loader and baselines:
         rate = result["loader"]["samples_per_s"]
         result["loader_vs_floor"] = _ratio(rate, result["copy_floor"]["samples_per_s"])
+        result["loader_vs_one_thread_floor"] = _ratio(rate, result["copy_floor"]["one_thread_samples_per_s"])
         result["loader_vs_dataloader"] = _ratio(rate, result["dataloader"]["samples_per_s"])
     return result
 
@@ -218,7 +219,12 @@ def _measure_baselines(workload: Workload, seconds: float) -> Result:
     floor_rate = copy_floor(workload, seconds)
     meter.stop()
     floor = {**floor_rate.to_dict(), "cpu_us_per_row": meter.per_row_us(floor_rate.samples)}
-    log.info("%s: copy floor %.0f samples/s", workload.name, floor["samples_per_s"])
+    gc.collect()
+    floor["one_thread_samples_per_s"] = copy_floor(workload, seconds / 2, threads=1).samples_per_s
+    log.info(
+        "%s: copy floor %.0f samples/s (%.0f on one thread)",
+        workload.name, floor["samples_per_s"], floor["one_thread_samples_per_s"],
+    )  # fmt: skip
     gc.collect()  # the floor's source tensor can be 600 MB: free it before the DataLoader forks
     run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS)
     log.info("%s: DataLoader %.0f samples/s", workload.name, run.rate.samples_per_s)
@@ -269,6 +275,10 @@ def _throughput_table(results: Sequence[Result]) -> str:
                 ratios = (_times(res.get("loader_vs_floor")), _times(res.get("loader_vs_dataloader")))
             rate = res[key]
             rows.append([res["workload"], label, _num(rate["samples_per_s"]), _num(rate["mb_per_s"], 1), *ratios])
+            one_thread = rate.get("one_thread_samples_per_s") if key == "copy_floor" else None
+            if one_thread is not None:  # what one reader's gather (one thread) can reach at most
+                mb_per_s = one_thread * rate["row_bytes"] / 1e6
+                rows.append([res["workload"], "copy floor, 1 thread", _num(one_thread), _num(mb_per_s, 1), "", ""])
     return _table(["workload", "impl", "samples/s", "MB/s", "loader/floor", "loader/DataLoader"], rows)
 
 

@@ -129,6 +129,9 @@ def test_copy_floor_gathers_batches_of_the_layout() -> None:
     rate = copy_floor(SMALL, seconds=10.0, max_batches=50)
     assert rate.batches == 50 and rate.samples == 50 * SMALL.bs
     assert rate.samples_per_s > 0 and rate.mb_per_s > 0
+    threads = torch.get_num_threads()
+    one = copy_floor(SMALL, seconds=10.0, max_batches=5, threads=1)
+    assert one.batches == 5 and torch.get_num_threads() == threads, "the thread count is restored"
 
 
 def test_worker_shuffle_buffer_emits_each_row_once() -> None:
@@ -196,7 +199,7 @@ def _fake_result() -> runner.Result:
         "ranks": 1,
         "min_mixing": 0.5,
         "loader": loader,
-        "copy_floor": {**rate, "cpu_us_per_row": {"trainer": 0.5, "all": 0.5}},
+        "copy_floor": {**rate, "cpu_us_per_row": {"trainer": 0.5, "all": 0.5}, "one_thread_samples_per_s": 512.0},
         "dataloader": {**rate, "quality": qual},
         "loader_vs_floor": 1.0,
         "loader_vs_dataloader": 1.0,
@@ -207,6 +210,7 @@ def test_format_table_has_every_section() -> None:
     table = runner.format_table([_fake_result()])
     for needle in (
         "copy floor",
+        "copy floor, 1 thread",
         "DataLoader",
         "loader/floor",
         "import torch",
