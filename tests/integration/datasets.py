@@ -116,6 +116,38 @@ class FiniteUniqueIds(UniqueIds):
             time.sleep(0.05)
 
 
+class GatedUniqueIds(UniqueIds):
+    """``UniqueIds`` whose ``i``-th chunk comes only once ``allowed_file`` holds a number above ``i`` (a source
+    waiting for data: the writer parks in ``__iter__``, in short sleeps), and whose share is empty, every pass, after
+    ``load_state_dict({"resumed": 1})``."""
+
+    def __init__(self, allowed_file: str, chunk: int = 4) -> None:
+        super().__init__(chunk)
+        self.allowed_file = allowed_file
+        self.resumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"resumed": self.resumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resumed = int(state["resumed"])
+
+    def _allowed(self) -> int:
+        try:
+            with open(self.allowed_file) as f:
+                return int(f.read().strip() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def __iter__(self) -> Iterator[Chunk]:
+        if self.resumed:
+            return
+        for i, chunk in enumerate(super().__iter__()):
+            while self._allowed() <= i:
+                time.sleep(0.01)
+            yield chunk
+
+
 # -- training context and worker info --------------------------------------------------------------------------
 
 

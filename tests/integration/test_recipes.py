@@ -1,7 +1,8 @@
 """The README's data-source recipes, run as users run them, on data built here: ``examples/hf_datasets.py`` (a
 Hugging Face ``datasets`` IterableDataset) and ``examples/webdataset_shards.py`` (webdataset tar shards), each as a
 two-rank job with fewer shards than the job has writers; ``gigashuffle.sources.Chunked`` refusing a source that is
-already split by node; and a writer whose share is empty idling instead of failing.
+already split by node; a writer whose share is empty idling instead of failing; and a writer's reservation of
+empty slots for its next chunk, held while its source waits and given back before it idles.
 
 The recipes run as subprocesses (ranks 0 and 1, one per simulated node, ``RANK``/``WORLD_SIZE`` in their
 environment as torchrun sets them): the helper module next to this file is also called ``datasets`` and would
@@ -22,10 +23,19 @@ from typing import Any
 import pytest
 import torch
 import webdataset as wds
-from datasets import DEADLINE_S, FewShards, check_unique_batch, passes_by_worker, take, wait_for, writer_of
+from datasets import (
+    DEADLINE_S,
+    FewShards,
+    GatedUniqueIds,
+    check_unique_batch,
+    passes_by_worker,
+    take,
+    wait_for,
+    writer_of,
+)
 
 import gigashuffle
-from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
 from gigashuffle.sources import Chunked, chunks
 
 REPO_ROOT = Path(gigashuffle.__file__).resolve().parent.parent
@@ -182,3 +192,24 @@ def test_a_writer_whose_share_is_empty_idles_instead_of_failing(redis_url: str, 
         wait_for(lambda: {w: n for w, n in passes_by_worker(passes).items() if w in again} == again,
                  "idle writers to try their dataset again after load_state_dict")  # fmt: skip
         check_unique_batch(take(it, 1)[0], 4, 32)
+
+
+def test_a_writer_reserves_its_next_chunk_while_its_source_waits_and_gives_the_slots_back_before_idling(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A writer publishes each chunk and reserves empty slots for the next one (NOTE [ Writer cycle ]): while its
+    source waits, every row it wrote is full (visible) and only the reservation is in flight. When a resumed state
+    leaves its share empty it idles, and first gives the reservation back: nothing stays in flight."""
+    allowed = tmp_path / "allowed"
+    allowed.write_text("3")
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"reserve-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=0, writer_max_retries=2, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(GatedUniqueIds(str(allowed)), cfg) as loader:
+        wait_for(lambda: loader.stats() == ShuffleBufferStats(full=12, empty=48, in_flight=4),
+                 "3 chunks published and 4 slots reserved for the 4th")  # fmt: skip
+        # The writer is parked in the source, so it cannot answer state_dict(): the state is built by hand.
+        loader.load_state_dict({"global_world_size": 1, "num_writers": 1, "global_rank": 0,
+                                "writers": [{"resumed": 1}]})  # fmt: skip
+        allowed.write_text("4")  # the 4th chunk goes into the reservation; then its share is empty
+        wait_for(lambda: loader.stats() == ShuffleBufferStats(full=16, empty=48, in_flight=0),
+                 "the 4th chunk published and the next reservation given back")  # fmt: skip
