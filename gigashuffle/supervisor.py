@@ -405,18 +405,13 @@ class Supervisor:
 
     def flush_frees(self) -> None:
         """Hand the ring slots of batches the caller dropped back to their readers, one message per reader."""
-        if len(self.to_free) == 1:  # the usual case: the caller dropped the batch before this one
+        freed: dict[int, tuple[ChildProcess, list[int]]] = {}
+        while self.to_free:
             child, k = self.to_free.popleft()
             child.held -= 1
-            self.send_free(child, k)
-        elif self.to_free:
-            freed: dict[int, tuple[ChildProcess, list[int]]] = {}
-            while self.to_free:
-                child, k = self.to_free.popleft()
-                child.held -= 1
-                freed.setdefault(id(child), (child, []))[1].append(k)
-            for child, ks in freed.values():
-                self.send_free(child, *ks)
+            freed.setdefault(id(child), (child, []))[1].append(k)
+        for child, ks in freed.values():
+            self.send_free(child, *ks)
         if self._dead:
             self._forget_dead()
 
