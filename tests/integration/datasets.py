@@ -116,7 +116,19 @@ class FiniteUniqueIds(UniqueIds):
             time.sleep(0.05)
 
 
-class GatedUniqueIds(UniqueIds):
+class _Resumable:
+    """A dataset whose whole state is a ``resumed`` flag, which a test's ``load_state_dict`` sets."""
+
+    resumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"resumed": self.resumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resumed = int(state["resumed"])
+
+
+class GatedUniqueIds(_Resumable, UniqueIds):
     """``UniqueIds`` whose ``i``-th chunk comes only once ``allowed_file`` holds a number above ``i`` (a source
     waiting for data: the writer parks in ``__iter__``, in short sleeps), and whose share is empty, every pass, after
     ``load_state_dict({"resumed": 1})``."""
@@ -124,13 +136,6 @@ class GatedUniqueIds(UniqueIds):
     def __init__(self, allowed_file: str, chunk: int = 4) -> None:
         super().__init__(chunk)
         self.allowed_file = allowed_file
-        self.resumed = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"resumed": self.resumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.resumed = int(state["resumed"])
 
     def _allowed(self) -> int:
         try:
@@ -208,20 +213,13 @@ class SeedEcho(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": torch.arange(n, n + 4, dtype=torch.int64) + info.id * ID_STRIDE, **row}]
 
 
-class FewShards(IterableDataset):  # type: ignore[type-arg]
+class FewShards(_Resumable, IterableDataset):  # type: ignore[type-arg]
     """A source with ``shards`` shards split by worker, as Hugging Face and webdataset split theirs: writers with
     ``id >= shards`` get nothing, every pass. Each ``__iter__`` appends its worker id to ``passes_file``."""
 
     def __init__(self, shards: int, passes_file: str) -> None:
         self.shards = shards
         self.passes_file = passes_file
-        self.resumed = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"resumed": self.resumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.resumed = int(state["resumed"])
 
     def __iter__(self) -> Iterator[Chunk]:
         wid, _ = _worker()
