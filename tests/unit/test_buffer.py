@@ -128,6 +128,21 @@ def test_slot_buffer_round_trip_single_dtype(dtype: torch.dtype, closing: list[o
     assert raw(got) == raw(data[[7, 9, 8, 6]])
 
 
+def test_slot_buffer_writes_fields_at_any_byte_offset(closing: list[object]) -> None:
+    # A user's slice of a wider tensor: 8-byte rows of float32 starting 4 bytes into the storage, which a torch
+    # int64 view refuses; the copy must still move exactly those bytes.
+    base = random_tensor(torch.float32, (41,), seed=9)
+    data = base[1:].reshape(20, 2)
+    assert data.storage_offset() * data.element_size() % 8 == 4
+    layout = Layout.from_chunk([{"x": data}])
+    _, fields = layout.rows_in([{"x": data}])
+    buf = SlotBuffer(layout, slots=16)
+    closing.append(buf)
+    buf.write(np.array([3, 9, 0], dtype=np.int32), fields, start=17)
+    (got,) = buf.read_rows(torch.tensor([3, 9, 0]))
+    assert raw(got) == raw(data[17:20])
+
+
 def test_slot_buffer_write_and_gather_are_bytes_exact(closing: list[object]) -> None:
     chunk = make_chunk(12)
     layout = Layout.from_chunk(chunk)
