@@ -86,5 +86,21 @@ class AttachError(GigashuffleError):
     """A process could not attach to the node's shared buffer."""
 
 
+class NodeLockBusy(GigashuffleError):
+    """The node's slot-table lock stayed held past a call's patience: its holder is stopped or stuck (a process
+    that dies releases it). ``holder`` names the process, when it could be found."""
+
+    def __init__(self, waited_s: float, holder: str) -> None:
+        self.waited_s = waited_s
+        self.holder = holder
+        super().__init__(
+            f"the node's slot-table lock has been held for more than {waited_s:g} s by {holder}; every writer and "
+            "reader of the node waits for it"
+        )
+
+    def __reduce__(self) -> tuple[type[NodeLockBusy], tuple[float, str]]:
+        return (type(self), (self.waited_s, self.holder))
+
+
 class ConfigMismatchError(GigashuffleError, ValueError):
     """Two loaders on one queue and node disagree on a setting that must be shared (bs, shuffle_size, ...)."""

@@ -22,7 +22,7 @@ from .messages import LoadState, SetContext, StartPass, StateRequest
 from .meta import verified_layout
 from .procs import ChildProcess
 from .redisconn import Client, connect
-from .runtime import node_secret, remove_stale_sockets, runtime_dir
+from .runtime import describe_process, is_stopped, node_secret, remove_stale_sockets, runtime_dir
 from .schema import INDEX_KEY, Layout
 from .session import NodeSession
 from .slottable import ShuffleBufferStats
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 Batch = list[dict[str, torch.Tensor]]
 _REPLY_TIMEOUT_S = 60.0
 _SLOW_WARNING_S = 60.0
+# How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
+# holder ] in slottable.py): far longer than any transition holds it.
+_LOCK_PATIENCE_S = 30.0
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
 _PENDING_PUMP_S = 0.002
 
@@ -167,8 +170,9 @@ class MultiprocessShuffledDataloader:
             if time.monotonic() > next_warning:
                 # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
                 log.warning(
-                    "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)",
-                    self.config.queue_name, time.monotonic() - waited_since, self.stats(), self.config.min_full_slots,
+                    "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
+                    self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
+                    self.config.min_full_slots, _stopped_lock_holder(sup),
                 )  # fmt: skip
                 next_warning += _SLOW_WARNING_S
         self._filled()
@@ -333,7 +337,7 @@ class MultiprocessShuffledDataloader:
             return 0
         table = self._wait_for(self._sup.table, "the slot table")
         ids = np.unique(ids)
-        return int(table.evict(ids, self._versions[ids]))
+        return int(table.evict(ids, self._versions[ids], wait_s=_LOCK_PATIENCE_S))
 
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
@@ -437,12 +441,26 @@ class MultiprocessShuffledDataloader:
 def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
     """An atomic snapshot of the node's slot table; all zero until a writer has published the buffer."""
     table = sup.table()
-    return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot().stats()
+    return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot(wait_s=_LOCK_PATIENCE_S).stats()
+
+
+def _counts(sup: Supervisor) -> ShuffleBufferStats:
+    """The slot counts from the table's header, without its lock (they never wait: NOTE [ A stopped lock holder ])."""
+    table = sup.table()
+    return ShuffleBufferStats(0, 0, 0) if table is None else table.counts()[2]
+
+
+def _stopped_lock_holder(sup: Supervisor) -> str:
+    table = sup.table()
+    holder = None if table is None else table.lock_holder()
+    if holder is None or not is_stopped(holder):
+        return ""
+    return f"; the node's slot-table lock is held by {describe_process(holder)}"
 
 
 def _full_slots(sup: Supervisor) -> int:
     sup.raise_if_failed()
-    return _buffer_stats(sup).full
+    return _counts(sup).full
 
 
 def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:

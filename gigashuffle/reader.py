@@ -143,7 +143,7 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
     cfg = env.config
     backoff = Backoff(cap_s=0.05)
     chores = Housekeeping(env)
-    while table.snapshot().full < cfg.shuffle_size:
+    while table.counts()[2].full < cfg.shuffle_size:  # the header's count: a poll that takes no lock
         chores.tick()
         backoff.sleep()
     per_rank = cfg.shuffle_size // cfg.local_world_size

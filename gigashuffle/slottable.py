@@ -27,7 +27,15 @@ Why a kill at any instruction loses no slot and blocks nobody:
   rows written and read (for ``gigashuffle stats``). An op journals each count's new value,
   computed under the lock before the commit point, and applying the op sets that value: a roll-forward cannot
   count twice. ``snapshot()`` still counts ``state`` itself.
-A stopped (SIGSTOP) lock holder does block the node; a dead one never does.
+
+NOTE [ A stopped lock holder ]
+A dead holder never blocks the node; a stopped one (SIGSTOP, a debugger at a breakpoint, a frozen cgroup) does,
+and no process can take a live one's flock. What the trainer guarantees is that it says so instead of hanging:
+``counts()`` reads the header without the lock (the heartbeat and the fill progress use it, so the node's session
+stays alive); the trainer's own transitions have a patience (``wait_s``): repairing a dead child's slots waits
+about a second and otherwise leaves them to the children's housekeeping, ``stats()`` and ``evict()`` raise
+``NodeLockBusy`` naming the holder and its state; and the "no batch for N s" warning names the holder. Writers and
+readers wait without a limit: they have nothing else to do, and the holder may go on.
 
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
 the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
@@ -45,6 +53,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -54,7 +63,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .buffer import SharedMemory
-from .runtime import pid_alive
+from .errors import NodeLockBusy
+from .runtime import describe_process, flock_holder, pid_alive
 
 SlotIds = npt.NDArray[np.int32]
 Versions = npt.NDArray[np.int64]
@@ -146,8 +156,8 @@ class SlotTable:
 
     # -- locking and the journal -----------------------------------------------------------------------------
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        self._acquire()
+    def _locked(self, wait_s: float | None = None) -> Iterator[None]:
+        self._acquire(wait_s)
         try:
             yield
         finally:
@@ -155,7 +165,9 @@ class SlotTable:
 
     # The hot transitions call _acquire/_release in try/finally instead of ``with self._locked()``: a generator
     # context manager costs a few microseconds per use, several times per batch.
-    def _acquire(self) -> None:
+    def _acquire(self, wait_s: float | None = None) -> None:
+        """Take the node lock; with ``wait_s``, raise NodeLockBusy if it stays held that long (see
+        NOTE [ A stopped lock holder ])."""
         self._thread_lock.acquire()
         try:
             if self._lock_pid != _pid[0]:  # a forked child must open its own description
@@ -167,7 +179,10 @@ class SlotTable:
                 self._lock_fd = os.open(f"/proc/self/fd/{self.memory.fd}", os.O_RDWR | os.O_CLOEXEC)
                 self._lock_pid = _pid[0]
                 self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            if wait_s is None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            else:
+                self._flock_within(wait_s)
         except BaseException:
             self._thread_lock.release()
             raise
@@ -177,6 +192,26 @@ class SlotTable:
         except BaseException:
             self._release()
             raise
+
+    def _flock_within(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = self.lock_holder()
+                    who = "an unknown process" if holder is None else describe_process(holder)
+                    raise NodeLockBusy(wait_s, who) from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+
+    def lock_holder(self) -> int | None:
+        """The pid holding the node lock now (from ``/proc/locks``), or None."""
+        fd = self.memory.fd
+        return None if fd is None else flock_holder(fd)
 
     def _release(self) -> None:
         try:
@@ -433,13 +468,13 @@ class SlotTable:
             self._commit(_RELEASE_KEEP, pid, mine, None, int(self._header[_FULL]) + back, empty + len(mine) - back)
         return len(mine)
 
-    def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None) -> int:
+    def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
         """Full slots become empty; slots being read become empty when released. A slot whose version is not the
         given one (rewritten since) is left alone; version -1 (or ``versions=None``) matches any write."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.slots):
             raise ValueError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
-        with self._locked():
+        with self._locked(wait_s):
             ok = np.isin(self.state[ids], (FULL, READING))
             if versions is not None:
                 wanted = np.asarray(versions, dtype=np.int64).reshape(-1)
@@ -451,10 +486,10 @@ class SlotTable:
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
-    def repair(self, dead: Iterable[int] = ()) -> int:
+    def repair(self, dead: Iterable[int] = (), wait_s: float | None = None) -> int:
         """Return the slots of dead holders (``dead`` pids, or any holder pid no longer alive); returns how many."""
         dead_set = set(dead)
-        with self._locked():
+        with self._locked(wait_s):
             held = np.flatnonzero(self.state != EMPTY)
             held = held[self.state[held] != FULL].astype(np.int32)
             holders = self.holder[held]
@@ -471,9 +506,17 @@ class SlotTable:
         with self._locked():
             return int(self._header[_WRITTEN]), int(self._header[_READ])
 
-    def snapshot(self) -> TableSnapshot:
+    def counts(self) -> tuple[int, int, ShuffleBufferStats]:
+        """Rows written and read, and the slot counts, read from the header without the lock, so this never waits
+        (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
+        aligned word that was true at some moment; together they may straddle one transition."""
+        header = self._header
+        written, read, full, empty = (int(header[i]) for i in (_WRITTEN, _READ, _FULL, _EMPTY))
+        return written, read, ShuffleBufferStats(full, empty, self.slots - full - empty)
+
+    def snapshot(self, wait_s: float | None = None) -> TableSnapshot:
         # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
-        with self._locked():
+        with self._locked(wait_s):
             state = self.state
             empty, writing, full = (int(np.count_nonzero(state == s)) for s in (EMPTY, WRITING, FULL))
         return TableSnapshot(empty, writing, full, self.slots - empty - writing - full)

@@ -46,7 +46,7 @@ from .buffer import BatchRing, SharedMemory
 from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .control import ControlPlane, NodeCounts
-from .errors import AttachError, GigashuffleError, QueueStateLostError, WorkerDied
+from .errors import AttachError, GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
 from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
 from .meta import signed_meta, unsigned_fields, verified_layout
 from .pickling import dumps_by_value
@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 _PUMP_S = 0.25
 _CLOSE_REDIS_BUDGET_S = 2.0
 _ATTACH_TABLE_S = 2.0
+# How long the trainer waits for the node lock to return a dead child's slots: children's housekeeping does it too.
+_REPAIR_WAIT_S = 1.0
 
 
 class Supervisor:
@@ -343,9 +345,8 @@ class Supervisor:
         table = self._table
         if table is None:
             return None
-        try:
-            written, read = table.rows_moved()
-            stats = table.snapshot().stats()
+        try:  # without the lock: a stopped lock holder must not stop the heartbeat (NOTE [ A stopped lock holder ])
+            written, read, stats = table.counts()
         except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
             return None
         return written, read, stats.full, stats.empty, stats.in_flight
@@ -390,7 +391,11 @@ class Supervisor:
         try:
             table = self.table()
             if table is not None:
-                log.debug("repaired %d slots of %s", table.repair(dead=[child.pid]), child.proc_id)
+                repaired = table.repair(dead=[child.pid], wait_s=_REPAIR_WAIT_S)
+                log.debug("repaired %d slots of %s", repaired, child.proc_id)
+        except NodeLockBusy as exc:  # NOTE [ A stopped lock holder ] in slottable.py
+            log.warning("%s; the slots of %s are returned by the next housekeeping after it", exc, child.proc_id)
+        try:
             if child.proc_id:
                 self.session.store.unregister(child.proc_id)
         except GigashuffleError as exc:
@@ -450,7 +455,10 @@ class Supervisor:
         self.ready.clear()
         self.to_free.clear()
         if self._table is not None:  # other ranks' children go on: give them what ours held
-            self._table.repair(dead=[c.pid for c in live if c.pid is not None])
+            try:
+                self._table.repair(dead=[c.pid for c in live if c.pid is not None], wait_s=_REPAIR_WAIT_S)
+            except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
+                log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self._drop_table()
         store = self._closing_store()
         if store is None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from slot_audit import lock_is_free
 
+from gigashuffle import NodeLockBusy
 from gigashuffle.buffer import SharedMemory
 from gigashuffle.reader import draw_batches as reader_draw
 from gigashuffle.slottable import (
@@ -382,3 +383,45 @@ def test_a_reader_draws_several_batches_per_hold_and_one_when_too_few_are_full()
     assert got is not None and len(got[0]) == 24 and len(set(got[0].tolist())) == 24
     assert (table.state[got[0]] == READING).all()
     np.testing.assert_array_equal(table.version[got[0]], got[1])
+
+
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + _WAIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG | os.WUNTRACED)
+        if done:
+            assert os.WIFSTOPPED(status), f"child {pid} ended (status {status}) instead of stopping"
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"child {pid} did not stop within {_WAIT_S}s")
+
+
+def test_a_stopped_lock_holder_is_named_counts_never_wait_and_its_death_frees_the_lock() -> None:
+    table = SlotTable(64, seed=8)
+    _fill(table, 100, 40)
+    drawn, _ = table.draw_full(200, 8)
+    assert table.lock_holder() is None
+
+    def hold_and_stop() -> int:
+        table._acquire()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return 0
+
+    pid = _fork(hold_and_stop)
+    try:
+        _wait_stopped(pid)
+        assert table.lock_holder() == pid
+        written, read, stats = table.counts()  # the header, read without the lock
+        assert (written, read) == (40, 0)
+        assert (stats.full, stats.empty, stats.in_flight) == (32, 24, 8)
+        for call in (lambda: table.snapshot(wait_s=0.2), lambda: table.repair(wait_s=0.2)):
+            with pytest.raises(NodeLockBusy, match=rf"pid {pid} .*stopped by a signal: send it SIGCONT") as raised:
+                call()
+            assert raised.value.waited_s == 0.2
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        _wait(pid)
+    assert table.lock_holder() is None  # the kernel dropped a dead holder's lock
+    assert table.snapshot(wait_s=5.0) == TableSnapshot(24, 0, 32, 8)
+    assert table.release_read(200, drawn, evict=True) == 8
+    assert table.counts()[:2] == (40, 8)
