@@ -65,6 +65,8 @@ class DataloaderConfig:
     ``pin_memory=True`` registers this rank's reader rings with CUDA so that host-to-device copies run at pinned
     speed; ``device="cuda:N"`` (or a ``torch.device``) also returns every batch already on that device (the rings are
     then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
+    ``ring_depth`` is how many batches each reader keeps in flight; None picks 4 to 8 by batch size (see
+    :func:`gigashuffle.buffer.ring_depth_for`).
     """
 
     bs: int
@@ -85,7 +87,7 @@ class DataloaderConfig:
     redis_port: int | None = None
     redis_db: int | None = None
     max_restarts: int = 3
-    ring_depth: int = 4
+    ring_depth: int | None = None
     node_id: str | None = None
     redis_timeout_s: float = 30.0
     seed: int | None = None
@@ -174,15 +176,17 @@ class DataloaderConfig:
             )
         if not 0.0 <= self.min_mixing <= 1.0 or math.isnan(self.min_mixing):
             raise _fail("min_mixing", self.min_mixing, "it is a fraction of shuffle_size: use a value in [0, 1]")
-        for name in ("num_writers", "writer_max_retries", "ring_depth"):
+        for name in ("num_writers", "writer_max_retries"):
             if getattr(self, name) < 1:
                 raise _fail(name, getattr(self, name), "use 1 or more")
         if self.num_readers < 0:
             raise _fail("num_readers", self.num_readers, "use 1 or more, or 0 for a rank that only feeds the buffer")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise _fail("seed", self.seed, "use an int in [0, 2**63), or None for a random seed per job")
-        if self.ring_depth < 2:
-            raise _fail("ring_depth", self.ring_depth, "readers need at least 2 batches in flight; use >= 2")
+        if self.ring_depth is not None and self.ring_depth < 2:
+            raise _fail(
+                "ring_depth", self.ring_depth, "readers need at least 2 batches in flight; use >= 2, or None (auto)"
+            )
         if self.max_restarts < 0:
             raise _fail("max_restarts", self.max_restarts, "use 0 (fail fast) or a positive budget")
         if not self.redis_timeout_s > 0:

@@ -18,6 +18,7 @@ class RingReady:
 
     nbytes: int
     layout_json: str
+    depth: int  # batches it holds (NOTE [ Ring depth ] in buffer.py)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ batches announced. With free ring slots left, that release and the next draw sha
 (``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to
 full (never delivered); killed between release and announcement, its batches are dropped, never delivered twice. The
 reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and cannot starve the
-rest of the node. Up to ``ring_depth`` batches are in flight.
+rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring depth ] in buffer.py).
 
 Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
 docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
@@ -32,7 +32,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .buffer import BatchRing, SlotBuffer
+from .buffer import BatchRing, SlotBuffer, ring_depth_for
 from .channel import Channel
 from .messages import BatchReady, FreeSlot, PassEnd, Rejoin, RingReady, StartPass, ToChild
 from .slottable import SlotIds, SlotTable, Versions
@@ -49,11 +49,11 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
     layout = env.attach_buffer()
     if env.buffer is None or env.table is None:
         raise AssertionError("reader has no buffer after attach")
-    ring = BatchRing(layout, env.config.bs, env.config.ring_depth)
+    ring = BatchRing(layout, env.config.bs, ring_depth_for(env.config.ring_depth, layout, env.config.bs))
     fd = ring.memory.fd
     if fd is None:
         raise AssertionError("a new ring has no fd")
-    env.channel.send(RingReady(ring.nbytes, layout.to_json()), (fd,))
+    env.channel.send(RingReady(ring.nbytes, layout.to_json(), ring.depth), (fd,))
     ring.memory.close_fd()
     return env.buffer, env.table, ring
 

@@ -206,7 +206,7 @@ class Supervisor:
             memory = SharedMemory(message.nbytes, fds[0])
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
-            child.ring = BatchRing(layout, self.config.bs, self.config.ring_depth, memory)
+            child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
             self._on_attached(child)
         elif isinstance(message, Attached):
             self._on_attached(child)

@@ -64,7 +64,7 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
     chaos: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     chaos.begin("stopped lock holder", "SIGSTOP with the node lock held, then SIGKILL", None, redis_url)
-    cfg = chaos.config(bs=8, num_readers=1)
+    cfg = chaos.config(bs=8, num_readers=1, ring_depth=4)
     loader = chaos.loader(ChaosDataset(rows=8), cfg)
     consumer = chaos.consumer(loader)
     consumer.take(5)
@@ -98,7 +98,7 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
 
         killer = chaos.thread(kill_after_warning, "holder-killer")
         # The reader's ring and the trainer's queue hold a few batches; then next() waits for the lock.
-        consumer.take(cfg.ring_depth + 4)
+        consumer.take(4 + 4)
         assert killer.result(WARNING_WITHIN_S + 30.0), "no warning named the stopped lock holder"
         assert f"pid {holder.pid} " in warnings.texts[0]
         assert "stopped by a signal" in warnings.texts[0]

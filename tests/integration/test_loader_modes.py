@@ -207,7 +207,13 @@ def test_dummy_batch_in_streaming_mode_matches_real_batches(redis_url: str) -> N
 def test_stats_account_for_every_slot(redis_url: str) -> None:
     slots = 64
     cfg = DataloaderConfig(
-        bs=4, shuffle_size=slots, queue_name=_queue("stats"), num_writers=1, num_readers=1, redis_url=redis_url
+        bs=4,
+        shuffle_size=slots,
+        queue_name=_queue("stats"),
+        num_writers=1,
+        num_readers=1,
+        ring_depth=4,
+        redis_url=redis_url,
     )
     with MultiprocessShuffledDataloader(SlowUniqueIds(chunk=4, sleep_s=0.02), cfg) as loader:
         early = loader.stats()
@@ -222,9 +228,7 @@ def test_stats_account_for_every_slot(redis_url: str) -> None:
             assert s.full + s.empty + s.in_flight == slots
             assert s.full <= slots and s.in_flight <= slots
         # Leave the buffer alone: the writer fills it up (the reader holds at most ring_depth batches).
-        full = wait_for(
-            lambda: s if (s := loader.stats()).full >= slots - cfg.ring_depth * cfg.bs else None, "a full buffer"
-        )
+        full = wait_for(lambda: s if (s := loader.stats()).full >= slots - 4 * cfg.bs else None, "a full buffer")
         assert full.full + full.empty + full.in_flight == slots
         # Quiet now (no empty slot for the writer, a full ring for the reader): stats() must agree exactly with an
         # independent, atomic count of where every slot is, taken before and after it.

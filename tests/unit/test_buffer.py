@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gigashuffle import INDEX_KEY
-from gigashuffle.buffer import BatchRing, SharedMemory, SlotBuffer
+from gigashuffle.buffer import RING_BUDGET_BYTES, BatchRing, SharedMemory, SlotBuffer, ring_depth_for
 from gigashuffle.schema import Layout
 
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
@@ -301,3 +301,14 @@ def test_ring_shared_through_a_dup_fd(closing: list[object]) -> None:
     batch = reader_side.batch(1)
     assert raw(batch[0]["x"]) == raw(values)
     assert batch[0][INDEX_KEY].tolist() == [9, 8, 7, 6]
+
+
+def test_ring_depth_is_the_configured_one_or_8_batches_while_they_fit_the_budget_and_never_below_4() -> None:
+    def layout_of(row_bytes: int) -> Layout:
+        return Layout.from_chunk([{"x": torch.zeros((1, row_bytes), dtype=torch.uint8)}])
+
+    assert ring_depth_for(3, layout_of(150_528), 256) == 3  # configured: taken as it is
+    assert ring_depth_for(None, layout_of(8), 1024) == 8  # tiny rows
+    assert ring_depth_for(None, layout_of(8192), 64) == 8  # tokens: 512 KiB batches
+    assert ring_depth_for(None, layout_of(RING_BUDGET_BYTES // (6 * 64)), 64) == 6  # six such batches fit
+    assert ring_depth_for(None, layout_of(150_528), 256) == 4  # image: 38 MB batches, at least 4 in flight

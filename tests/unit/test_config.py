@@ -347,3 +347,10 @@ def test_from_env_still_validates_other_fields(clean_env: pytest.MonkeyPatch) ->
         DataloaderConfig.from_env(**{**BASE, "bs": 0})
     with pytest.raises(TypeError, match="required"):
         DataloaderConfig.from_env(bs=4)
+
+
+def test_ring_depth_defaults_to_automatic_and_takes_a_depth_of_2_or_more() -> None:
+    assert DataloaderConfig(bs=4, shuffle_size=64, queue_name="q").ring_depth is None
+    assert DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", ring_depth=2).ring_depth == 2
+    with pytest.raises(ValueError, match=r"ring_depth.*None \(auto\)"):
+        DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", ring_depth=0)
