@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 Result = dict[str, Any]
 
 DATALOADER_WORKERS = 2
+# During the timed window the trainer notes the buffer's full slots every this many batches (stats() takes the node
+# lock for a count of its states: tens of microseconds): the displacement ratio depends on how full the buffer ran.
+FILL_EVERY_BATCHES = 32
 MIB = 1 << 20
 
 
@@ -109,12 +112,18 @@ def measure_loader(
         # other ranks are gone before this one's loader (and the embedded server it holds) closes.
         others = stack.enter_context(OtherRanks(workload, queue_name, writers, readers, ranks, loader.redis_url))
         batches: Iterator[list[dict[str, torch.Tensor]]] = iter(loader)
+        fills: list[int] = []
+        timed = [False, 0]  # in the window yet; batches taken in it
 
         def step() -> int:
             batch = next(batches)
             batch_ids = _batch_ids(batch)
             if batch_ids is not None:
                 ids.append(batch_ids)
+            if timed[0]:
+                timed[1] += 1
+                if timed[1] % FILL_EVERY_BATCHES == 0:
+                    fills.append(loader.stats().full)
             return len(batch[0][next(iter(batch[0]))])
 
         warm = warm_up(step, lambda: int(loader.stats().full), mixing_threshold(workload), WARMUP_CAP_S)
@@ -124,6 +133,7 @@ def measure_loader(
         meter = loader_meter(loader.child_pids(), client, [report.pids for report in other_reports])
         calls_before = redis_command_calls(client)
         meter.start()
+        timed[0] = True
         end = time.monotonic() + seconds
         others.start_window(end)
         rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
@@ -165,6 +175,8 @@ def measure_loader(
         "redis_calls": redis_calls,
         "redis_cmds_per_batch": redis_calls / batches_total,
         "cpu_us_per_row": meter.per_row_us(samples),
+        # The mean fraction of the buffer's slots that were full, sampled in the window (None: too few batches).
+        "mean_fill": sum(fills) / len(fills) / workload.shuffle_size if fills else None,
         "children": children,
         "quality": quality.measure(ids, workload.shuffle_size, writers).to_dict() if ids and ranks == 1 else None,
     }
@@ -381,6 +393,7 @@ def _quality_table(results: Sequence[Result]) -> str:
                     _num(qual["displacement"]),
                     _num(qual["ideal_displacement"]),
                     _num(qual["displacement_ratio"], 3),
+                    _num(res[key].get("mean_fill"), 2),
                     _num(qual["slot_age"]),
                     _num(qual["ideal_slot_age"]),
                     _num(qual["read_lag"]),
@@ -395,6 +408,7 @@ def _quality_table(results: Sequence[Result]) -> str:
         "displacement",
         "ideal",
         "ratio",
+        "buffer fill",
         "slot age",
         "ideal age",
         "read lag",
@@ -402,9 +416,11 @@ def _quality_table(results: Sequence[Result]) -> str:
         "dup %",
         "rows",
     ]
-    return "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal)\n" + _table(
-        headers, rows
+    title = (
+        "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal; buffer fill: "
+        "the mean share of full slots, which a writer-bound run keeps near min_mixing)\n"
     )
+    return title + _table(headers, rows)
 
 
 def format_table(results: Sequence[Result] | Result) -> str:

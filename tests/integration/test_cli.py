@@ -101,6 +101,8 @@ def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     assert all(r["samples"] > 0 and r["samples_per_s"] > 0 for r in per_rank), per_rank
     assert loader["samples"] == sum(r["samples"] for r in per_rank)
     assert loader["samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in per_rank))
+    # Sampled every 32 batches of rank 0 in the window: a share of the node's slots.
+    assert loader["mean_fill"] is not None and 0.0 < loader["mean_fill"] <= 1.0, loader["mean_fill"]
     # CPU is metered over every process of both ranks: each rank's writer and reader, and both trainers.
     assert {"writer", "reader", "trainer", "zygote", "redis", "all"} <= loader["cpu_us_per_row"].keys()
     assert {(c["rank"], c["role"]) for c in loader["children"]} >= {
