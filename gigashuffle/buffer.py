@@ -165,8 +165,8 @@ def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
 # A reader draws the slots of as many batches as it has free ring slots under one hold of the node lock, and the
 # trainer is woken once per draw (NOTE [ Reader cycle ] in reader.py), so a deeper ring means fewer transitions,
 # messages and wake-ups per batch. Measured with ``gigashuffle bench`` (1 writer, 1 reader, 3 s, two rounds side by
-# side; docs/benchmarks.md): depth 4 -> 8 took tokens from 328-360k to 444-453k rows/s and 4.9-5.1 to 4.1-4.2
-# CPU-us per row, tiny from 4.1-4.2M to 5.5-6.0M rows/s and 0.40 to 0.27-0.30. Depth 16 gained a little more but
+# side with baselines; docs/benchmarks.md): depth 4 -> 8 took tokens from 356-367k to 431-433k rows/s and 4.8-4.9 to
+# 4.05 CPU-us per row, tiny from 4.2-4.4M to 5.05M rows/s and 0.38-0.39 to 0.28. Depth 16 gained a little more but
 # let the readers drain the buffer to the mixing threshold (displacement ratio ~0.5). A ring costs
 # ``depth * bs * row bytes`` per reader (pinned, with a device), so the automatic depth takes 8 batches while they
 # fit in RING_BUDGET_BYTES and never fewer than 4 (image-sized batches of 38 MB stay at 4).
