@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -63,7 +64,7 @@ def _claim_ttl_ms(url: str, key: str) -> int:
 def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
     chaos: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    chaos.begin("stopped lock holder", "SIGSTOP with the node lock held, then SIGKILL", None, redis_url)
+    chaos.begin("stopped lock holder", "SIGSTOP with the node lock held, then SIGKILL", 0, redis_url)
     cfg = chaos.config(bs=8, num_readers=1, ring_depth=4)
     loader = chaos.loader(ChaosDataset(rows=8), cfg)
     consumer = chaos.consumer(loader)
@@ -78,6 +79,7 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
     logging.getLogger("gigashuffle.loader").addHandler(warnings)
     try:
         wait_until(lambda: is_stopped(holder.pid), timeout_s=30.0, what="the lock holder to stop itself")
+        stopped_at = time.monotonic()
 
         # The heartbeat extends the rank's claim (lease 10 s, every second) while the lock is held.
         claim = keys.rank(cfg.global_rank)
@@ -91,15 +93,17 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
         with pytest.raises(NodeLockBusy, match=rf"pid {holder.pid} .*stopped by a signal: send it SIGCONT"):
             loader.stats()
 
-        def kill_after_warning() -> bool:
+        def kill_after_warning() -> float | None:
             seen = warnings.seen.wait(WARNING_WITHIN_S)
+            named_after = time.monotonic() - stopped_at
             holder.send_signal(signal.SIGKILL)  # in any case, so the trainer's next() returns
-            return seen
+            return named_after if seen else None
 
         killer = chaos.thread(kill_after_warning, "holder-killer")
         # The reader's ring and the trainer's queue hold a few batches; then next() waits for the lock.
         consumer.take(4 + 4)
-        assert killer.result(WARNING_WITHIN_S + 30.0), "no warning named the stopped lock holder"
+        named_after = killer.result(WARNING_WITHIN_S + 30.0)
+        assert named_after is not None, "no warning named the stopped lock holder"
         assert f"pid {holder.pid} " in warnings.texts[0]
         assert "stopped by a signal" in warnings.texts[0]
     finally:
@@ -109,4 +113,4 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
     consumer.take(5)
     consumer.assert_unique()
     chaos.assert_stats(loader)
-    chaos.finish("named and resumed")
+    chaos.finish("named, resumed once killed", detect_s=named_after)

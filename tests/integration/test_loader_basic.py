@@ -213,3 +213,24 @@ def test_children_copy_large_rows_past_the_caches(
         pids = loader.child_pids()
         found = {_environ(pid).get("GLIBC_TUNABLES") for role in ("writer", "reader") for pid in pids[role]}
     assert found == {expected}, found
+
+
+@pytest.mark.parametrize(("configured", "expected"), [(None, 8), (3, 3)])
+def test_the_trainer_maps_each_reader_ring_at_the_depth_the_reader_chose(
+    redis_url: str, configured: int | None, expected: int
+) -> None:
+    """ring_depth=None gives small batches a ring of 8 (NOTE [ Ring depth ]); the depth travels with the ring's fd,
+    and batches read through it are whole."""
+    bs = 4
+    cfg = DataloaderConfig(
+        bs=bs, shuffle_size=64, queue_name=_queue("depth"), num_writers=1, num_readers=2, ring_depth=configured,
+        redis_url=redis_url,
+    )  # fmt: skip
+    seen: set[int] = set()
+    with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
+        for batch in take(iter(loader), 40):
+            ids = check_unique_batch(batch, bs, 64)
+            assert not seen.intersection(ids)
+            seen.update(ids)
+        rings = [c.ring for c in loader._sup.readers()]
+        assert len(rings) == 2 and all(r is not None and r.depth == expected for r in rings), rings
