@@ -11,6 +11,7 @@ Ids are globally unique: ``id = base + worker_id * ID_STRIDE + counter`` where `
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -149,6 +150,24 @@ class GatedUniqueIds(_Resumable, UniqueIds):
             return
         for i, chunk in enumerate(super().__iter__()):
             while self._allowed() <= i:
+                time.sleep(0.01)
+            yield chunk
+
+
+class FirstWriterWaits(UniqueIds):
+    """``UniqueIds`` whose writer 0 yields one chunk and then waits for data that never comes (a stream source with
+    nothing new), while the other writers start once ``gate_file`` exists and then yield forever."""
+
+    def __init__(self, gate_file: str, chunk: int = 4) -> None:
+        super().__init__(chunk)
+        self.gate_file = gate_file
+
+    def __iter__(self) -> Iterator[Chunk]:
+        wid, _ = _worker()
+        while wid != 0 and not os.path.exists(self.gate_file):
+            time.sleep(0.01)
+        for i, chunk in enumerate(super().__iter__()):
+            while wid == 0 and i >= 1:
                 time.sleep(0.01)
             yield chunk
 

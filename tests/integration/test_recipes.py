@@ -26,6 +26,7 @@ import webdataset as wds
 from datasets import (
     DEADLINE_S,
     FewShards,
+    FirstWriterWaits,
     GatedUniqueIds,
     check_unique_batch,
     passes_by_worker,
@@ -213,3 +214,19 @@ def test_a_writer_reserves_its_next_chunk_while_its_source_waits_and_gives_the_s
         allowed.write_text("4")  # the 4th chunk goes into the reservation; then its share is empty
         wait_for(lambda: loader.stats() == ShuffleBufferStats(full=16, empty=48, in_flight=0),
                  "the 4th chunk published and the next reservation given back")  # fmt: skip
+
+
+def test_fill_once_fills_every_slot_while_one_writer_waits_for_data(redis_url: str, tmp_path: Path) -> None:
+    """With fill_once a writer reserves nothing ahead (NOTE [ Writer cycle ]): the last empty slots go to whichever
+    writer has rows, so a writer whose source waits cannot keep the buffer from filling, and the pass starts."""
+    slots, gate = 64, tmp_path / "gate"
+    cfg = DataloaderConfig(bs=4, shuffle_size=slots, queue_name=f"fill-wait-{uuid.uuid4().hex[:8]}", num_writers=2,
+                           num_readers=1, fill_once=True, min_mixing=1.0, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(FirstWriterWaits(str(gate), chunk=4), cfg) as loader:
+        wait_for(lambda: loader.stats().full == 4 or None, "writer 0's one chunk published")
+        gate.touch()  # writer 1 starts; writer 0 waits in its source from now on
+        full = wait_for(lambda: s if (s := loader.stats()).full == slots else None, "every slot full")
+        assert full == ShuffleBufferStats(full=slots, empty=0, in_flight=0)
+        ids = [i for batch in loader for i in batch[0]["id"].tolist()]
+    assert len(ids) == slots and len(set(ids)) == slots, "one pass: every slot's row once"
+    assert sum(writer_of(i) == 0 for i in ids) == 4 and sum(writer_of(i) == 1 for i in ids) == slots - 4
