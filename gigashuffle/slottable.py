@@ -362,16 +362,19 @@ class SlotTable:
         finally:
             self._release()
 
-    def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int) -> tuple[int, SlotIds]:
-        """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty, else none,
-        under one hold of the lock (two journaled ops). All or nothing: a writer that took the few slots just
-        emptied would cut its next chunk into as many small pieces, each a copy and a transition of its own.
+    def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0) -> tuple[int, SlotIds]:
+        """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty and the slots
+        full or empty without them still number ``min_full``, else none, under one hold of the lock (two journaled
+        ops). All or nothing: a writer that took the few slots just emptied would cut its next chunk into as many
+        small pieces, each a copy and a transition of its own. ``min_full``: a reservation held while the dataset
+        waits must not keep the buffer from reaching the readers' threshold (with fill_once, every slot).
         Returns how many slots it still held, and the new ones."""
         self._acquire()
         try:
             committed = self._commit_written(pid, ids)
             empty = int(self._header[_EMPTY])
-            fresh = self._first_empty(n) if 0 < n <= empty else _NO_IDS
+            room = int(self._header[_FULL]) + empty - n >= min_full
+            fresh = self._first_empty(n) if 0 < n <= empty and room else _NO_IDS
             self._commit(_ACQUIRE, pid, fresh, None, -1, empty - len(fresh))
         finally:
             self._release()

@@ -9,9 +9,9 @@ dataset that waits for data, or has none left, still never keeps rows it wrote i
 are empty slots. A shorter next chunk leaves the rest reserved for the one after; a longer one, or one with no
 reservation (the buffer was nearly full), acquires what it lacks as it goes (``acquire_empty``, as many as are
 empty, each piece committed on its own). A writer about to idle on an empty share gives its reservation back
-(``give_back``). With fill_once a writer reserves nothing ahead: the last empty slots of a filling buffer must go
-to whichever writer has rows, not wait in a reservation while its source waits for data (the pass could never
-start). When nothing is empty the writer backs off from
+(``give_back``). A writer reserves only while the slots full or empty without its reservation still number
+``min_full_slots``: a reservation held while the source waits for data must not keep the buffer from the readers'
+threshold (with fill_once, every slot: it reserves nothing ahead). When nothing is empty the writer backs off from
 0.5 ms and meanwhile answers the trainer's messages. No Redis. A writer killed mid-copy leaves ``writing`` slots
 under its pid, which ``repair()`` returns to empty (their rows may be torn), reserved ones included.
 
@@ -229,7 +229,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     chunks.before_idle = reserved.give_back
     chores = Housekeeping(env)
     backoff = Backoff()
-    reserve_ahead = not env.config.fill_once  # NOTE [ Writer cycle ]
+    min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
     while True:
         rows, as_bytes = layout.rows_in(chunk)
         done = 0
@@ -245,8 +245,8 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             slots = reserved.take(rows - done)
             buffer.write(slots, as_bytes, done)
             done += len(slots)
-            if reserve_ahead and done == rows and reserved.held() < rows:  # as many as this chunk had, for the next
-                held, fresh = table.commit_and_acquire(me, slots, rows - reserved.held())
+            if done == rows and reserved.held() < rows:  # reserve as many rows as this chunk had for the next
+                held, fresh = table.commit_and_acquire(me, slots, rows - reserved.held(), min_full)
                 reserved.add(fresh)
             else:
                 held = table.commit_written(me, slots)

@@ -116,6 +116,18 @@ def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back
     assert table.give_back(1, reserved[2:]) == 0  # already empty: a retry gives back nothing
 
 
+def test_a_reservation_never_keeps_the_buffer_below_the_readers_threshold() -> None:
+    # 16 slots: 10 full, pid 1 writing 2, 4 empty. Reserving 4 more would leave 12 + 4 - 4 = 12 slots full or empty.
+    table = SlotTable(16, seed=6)
+    _fill(table, 9, 10)
+    writing = table.acquire_empty(1, 2)
+    held, fresh = table.commit_and_acquire(1, writing[:1], 4, min_full=16)  # fill_once: every slot
+    assert held == 1 and len(fresh) == 0
+    held, fresh = table.commit_and_acquire(1, writing[1:], 4, min_full=12)
+    assert held == 1 and len(fresh) == 4 and (table.state[fresh] == WRITING).all()
+    assert table.snapshot() == TableSnapshot(empty=0, writing=4, full=12, reading=0)
+
+
 def test_versions_bump_on_every_write_and_stale_evicts_are_ignored() -> None:
     table = SlotTable(4, seed=3)
     _fill(table, 1, 4)
