@@ -18,7 +18,7 @@ from datasets import UniqueIds
 
 import gigashuffle
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.cli import queue_rows
+from gigashuffle.queuestats import queue_rows
 from gigashuffle.redisconn import connect
 
 HEAVY = ("torch", "numpy", "redis")
