@@ -503,12 +503,6 @@ class SlotTable:
             self._commit(_REPAIR, 0, ids, None, int(header[_FULL]) + back, int(header[_EMPTY]) + len(ids) - back)
         return len(ids)
 
-    def rows_moved(self) -> tuple[int, int]:
-        """Rows ``(written, read)`` through this table since it was created: committed by writers, released by
-        readers. Kept in the header and set (not added) by journaled ops, so a roll-forward never counts twice."""
-        with self._locked():
-            return int(self._header[_WRITTEN]), int(self._header[_READ])
-
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
         """Rows written and read, and the slot counts, read from the header without the lock, so this never waits
         (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
