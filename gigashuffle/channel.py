@@ -6,7 +6,8 @@ there) and, with JSON payloads, on the attach socket.
 NOTE [ Per-batch messages ]
 ``BatchReady(ks)`` and ``FreeSlot(ks)`` cross at most once per batch each way (a reader announces the batches of one
 draw in one message, the trainer returns the ring slots it freed of one reader in one) and only ever name ring
-slots, so there are few distinct ones per reader (64 orderings of at most 4 slots of a ring 4 deep). Pickling a
+slots, so there are few distinct ones per reader (a ring holds 4 to 8 slots by default, and a draw takes the free ones
+in the order they came back; the caches keep at most ``_MAX_REUSED`` of each side). Pickling a
 dataclass costs a few microseconds (more than the send), so ``send`` reuses the pickle of an equal message sent
 before and ``recv`` the object unpickled from an equal payload before; both types are frozen (immutable, compared by
 value), so a shared instance is indistinguishable from a fresh one. Other messages (contexts, states: arbitrary and
