@@ -2,18 +2,21 @@
 
 NOTE [ Writer cycle ]
 Per chunk: the rows are copied, one row assignment per field and without any lock held, into empty slots the
-writer holds as ``writing``; then one hold of the node lock both publishes them (``full``, each with a new
-version) and reserves the slots for the next chunk, as many as this chunk had, if that many are empty
-(``commit_and_acquire``: two journaled ops). So a steady writer takes the lock once per chunk, not twice, and a
-dataset that waits for data, or has none left, still never keeps rows it wrote invisible: what it holds meanwhile
-are empty slots. A shorter next chunk leaves the rest reserved for the one after; a longer one, or one with no
-reservation (the buffer was nearly full), acquires what it lacks as it goes (``acquire_empty``, as many as are
-empty, each piece committed on its own). A writer about to idle on an empty share gives its reservation back
-(``give_back``). A writer reserves only while the slots full or empty without its reservation still number
-``min_full_slots``: a reservation held while the source waits for data must not keep the buffer from the readers'
-threshold (with fill_once, every slot: it reserves nothing ahead). When nothing is empty the writer backs off from
-0.5 ms and meanwhile answers the trainer's messages. No Redis. A writer killed mid-copy leaves ``writing`` slots
-under its pid, which ``repair()`` returns to empty (their rows may be torn), reserved ones included.
+writer holds as ``writing``, and join the rows pending publication. Once per ``rows_per_commit`` rows (four fast
+chunks; every chunk for a small buffer or a chunk that was not reserved), one hold of the node lock both publishes
+the pending rows (``full``, each with a new version) and reserves the slots for the next ones, if that many are
+empty (``commit_and_acquire``: two journaled ops). Rows copied never stay invisible while the writer waits: it
+publishes before it takes or waits for more slots and before it idles, and a thread publishes rows left pending
+for 10 ms while the writer is inside its dataset (NOTE [ Deferred commits ] in pending.py). What a writer holds
+while its dataset waits is otherwise empty slots. A shorter next chunk leaves the rest reserved for the one
+after; a longer one, or one with no reservation (the buffer was nearly full), acquires what it lacks as it goes
+(``acquire_empty``, as many as are empty, publishing what is pending first). A writer about to idle on an empty
+share gives its reservation back (``give_back``). A writer reserves only while the slots full or empty without
+its reservation still number ``min_full_slots``: a reservation held while the source waits for data must not keep
+the buffer from the readers' threshold (with fill_once, every slot: it reserves nothing ahead and publishes every
+chunk). When nothing is empty the writer backs off from 0.5 ms and meanwhile answers the trainer's messages. No
+Redis. A writer killed mid-copy leaves ``writing`` slots under its pid, which ``repair()`` returns to empty (their
+rows may be torn), reserved and pending ones included.
 
 NOTE [ Empty shares ]
 Writers see a job-wide ``get_worker_info()``, so a source that shards by worker (Hugging Face ``datasets``,
@@ -41,6 +44,7 @@ from . import dummy
 from .channel import Channel
 from .errors import SchemaError
 from .messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from .pending import PendingRows, rows_per_commit
 from .schema import Layout
 from .seeds import writer_seed
 from .slottable import SlotIds, SlotTable
@@ -226,35 +230,39 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
         raise AssertionError("writer has no buffer after attach")
     me = os.getpid()
     reserved = _Reservation(table, me)
-    chunks.before_idle = reserved.give_back
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
-    while True:
-        rows, as_bytes = layout.rows_in(chunk)
-        done = 0
-        while done < rows:
-            if not reserved.held():
-                reserved.add(table.acquire_empty(me, rows - done))
+    with PendingRows(table, me) as pending:
+
+        def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
+            pending.publish()
+            reserved.give_back()
+
+        chunks.before_idle = before_idle
+        while True:
+            rows, as_bytes = layout.rows_in(chunk)
+            done = 0
+            while done < rows:
                 if not reserved.held():
-                    _handle_control(env, chunks)
-                    chores.tick()
-                    backoff.sleep()
-                    continue
-            backoff.reset()
-            slots = reserved.take(rows - done)
-            buffer.write(slots, as_bytes, done)
-            done += len(slots)
-            if done == rows and reserved.held() < rows:  # reserve as many rows as this chunk had for the next
-                held, fresh = table.commit_and_acquire(me, slots, rows - reserved.held(), min_full)
-                reserved.add(fresh)
-            else:
-                held = table.commit_written(me, slots)
-            if held != len(slots):
-                raise AssertionError(f"writer {me} lost slots it was writing (repaired as a dead holder's?)")
-        chores.tick()
-        _handle_control(env, chunks)
-        chunk = chunks.next()
+                    pending.publish()  # before this writer takes more slots, or waits for them
+                    reserved.add(table.acquire_empty(me, rows - done))
+                    if not reserved.held():
+                        _handle_control(env, chunks)
+                        chores.tick()
+                        backoff.sleep()
+                        continue
+                backoff.reset()
+                slots = reserved.take(rows - done)
+                buffer.write(slots, as_bytes, done)
+                done += len(slots)
+                pending.add(slots)
+            per_commit = rows_per_commit(rows, buffer.slots)
+            if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
+                reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))
+            chores.tick()
+            _handle_control(env, chunks)
+            chunk = chunks.next()
 
 
 class _Reservation:

@@ -216,6 +216,23 @@ def test_a_writer_reserves_its_next_chunk_while_its_source_waits_and_gives_the_s
                  "the 4th chunk published and the next reservation given back")  # fmt: skip
 
 
+def test_rows_a_writer_copied_are_published_while_its_dataset_waits(redis_url: str, tmp_path: Path) -> None:
+    """A writer with its next chunks reserved publishes once per four chunks (NOTE [ Deferred commits ]), yet rows
+    it copied never stay invisible while its dataset waits for data: its watcher thread publishes them."""
+    allowed = tmp_path / "allowed"
+    allowed.write_text("2")
+    cfg = DataloaderConfig(bs=8, shuffle_size=1024, queue_name=f"pending-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=0, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(GatedUniqueIds(str(allowed), chunk=16), cfg) as loader:
+        # Chunk 1 is published with a reservation of 64 slots (4 chunks); chunk 2 goes into it and stays pending
+        # until the watcher publishes it, the writer being parked in the source.
+        wait_for(lambda: loader.stats() == ShuffleBufferStats(full=32, empty=1024 - 32 - 48, in_flight=48),
+                 "both chunks published while the source waits, 48 slots still reserved")  # fmt: skip
+        allowed.write_text("4")
+        wait_for(lambda: loader.stats() == ShuffleBufferStats(full=64, empty=1024 - 64 - 16, in_flight=16),
+                 "chunks 3 and 4 published while the source waits again")  # fmt: skip
+
+
 def test_fill_once_fills_every_slot_while_one_writer_waits_for_data(redis_url: str, tmp_path: Path) -> None:
     """With fill_once a writer reserves nothing ahead (NOTE [ Writer cycle ]): the last empty slots go to whichever
     writer has rows, so a writer whose source waits cannot keep the buffer from filling, and the pass starts."""
