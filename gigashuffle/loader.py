@@ -158,9 +158,9 @@ class MultiprocessShuffledDataloader:
     def _next_batch(self) -> Batch:
         sup = self._sup
         self._check_open()
-        # Free the ring slots of dropped batches first, even when a batch is ready: a reader that runs ahead must
-        # not find its ring full (and the caller get copies) just because nobody told it about the frees.
-        sup.flush_frees()
+        # Return the ring slots of dropped batches first: all of them when the trainer is about to wait, else those
+        # of readers with half their ring to come back (NOTE [ Batched frees ]).
+        sup.flush_frees(everything=not sup.ready)
         waited_since = time.monotonic()
         next_warning = waited_since + _SLOW_WARNING_S
         self._placement.poll()

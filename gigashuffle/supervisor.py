@@ -47,6 +47,7 @@ from .channel import ChannelClosed
 from .config import DataloaderConfig
 from .control import ControlPlane, NodeCounts
 from .errors import AttachError, GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
+from .frees import DroppedBatches
 from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
 from .meta import signed_meta, unsigned_fields, verified_layout
 from .pickling import dumps_by_value
@@ -89,7 +90,7 @@ class Supervisor:
         self.runtime_path = Path(runtime_dir)
         self.children: list[ChildProcess] = []
         self.ready: deque[tuple[ChildProcess, int]] = deque()
-        self.to_free: deque[tuple[ChildProcess, int]] = deque()  # appended by batch finalizers
+        self.dropped = DroppedBatches()
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
@@ -403,19 +404,12 @@ class Supervisor:
 
     # -- batches ---------------------------------------------------------------------------------------------
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
-        def release() -> None:
-            self.to_free.append((child, k))
+        return self.dropped.release_later(child, k)
 
-        return release
-
-    def flush_frees(self) -> None:
-        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader."""
-        freed: dict[int, tuple[ChildProcess, list[int]]] = {}
-        while self.to_free:
-            child, k = self.to_free.popleft()
-            child.held -= 1
-            freed.setdefault(id(child), (child, []))[1].append(k)
-        for child, ks in freed.values():
+    def flush_frees(self, *, everything: bool = True) -> None:
+        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader; without
+        ``everything``, only the slots that are due (NOTE [ Batched frees ])."""
+        for child, ks in self.dropped.due(everything=everything):
             self.send_free(child, *ks)
         if self._dead:
             self._forget_dead()
@@ -453,7 +447,7 @@ class Supervisor:
         for child in self.children:
             child.ring = None
         self.ready.clear()
-        self.to_free.clear()
+        self.dropped.clear()
         if self._table is not None:  # other ranks' children go on: give them what ours held
             try:
                 self._table.repair(dead=[c.pid for c in live if c.pid is not None], wait_s=_REPAIR_WAIT_S)

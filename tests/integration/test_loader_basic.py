@@ -5,6 +5,7 @@ named."""
 from __future__ import annotations
 
 import platform
+import time
 import uuid
 from pathlib import Path
 
@@ -215,6 +216,9 @@ def test_children_copy_large_rows_past_the_caches(
     assert found == {expected}, found
 
 
+_READY_WITHIN_S = 60.0
+
+
 @pytest.mark.parametrize(("configured", "expected"), [(None, 8), (3, 3)])
 def test_the_trainer_maps_each_reader_ring_at_the_depth_the_reader_chose(
     redis_url: str, configured: int | None, expected: int
@@ -228,8 +232,12 @@ def test_the_trainer_maps_each_reader_ring_at_the_depth_the_reader_chose(
     )  # fmt: skip
     seen: set[int] = set()
     with MultiprocessShuffledDataloader(UniqueIds(chunk=8), cfg) as loader:
-        for batch in take(iter(loader), 40):
-            ids = check_unique_batch(batch, bs, 64)
+        batches = iter(loader)
+        deadline = time.monotonic() + _READY_WITHIN_S
+        # One reader may deliver many batches before the other has its ring mapped (a loaded machine starts it late).
+        while len(seen) < 40 * bs or any(c.ring is None for c in loader._sup.readers()):
+            assert time.monotonic() < deadline, f"no ring from some reader in {_READY_WITHIN_S} s"
+            ids = check_unique_batch(next(batches), bs, 64)
             assert not seen.intersection(ids)
             seen.update(ids)
         rings = [c.ring for c in loader._sup.readers()]
