@@ -22,12 +22,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from .config import DataloaderConfig
 from .errors import TamperedMetadataError
 from .keys import QueueKeys
+from .meta import verified_layout
 from .redisconn import Client, address, translate_errors
 from .runtime import sign, verify
-from .schema import Layout
+from .schema import INDEX_KEY, Layout
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +114,34 @@ def verified_row(
         f"the dummy row of queue {queue!r} in Redis fails its HMAC check: it was not written by a gigashuffle "
         "process of this user on this machine in this session, or it was modified; refusing to use it"
     )
+
+
+def verified(
+    secret: bytes, generation: str, published: dict[str, bytes], meta: dict[str, bytes], queue: str
+) -> tuple[Layout, bytes]:
+    """The buffer's layout and the dummy row, both checked against their signatures; the first row in the
+    metadata when the designated writer has none (NOTE [ Dummy row ])."""
+    layout = verified_layout(secret, generation, meta, queue)
+    row = verified_row(secret, generation, published, meta, queue)
+    if row is None:
+        log.info(
+            "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
+            "the dummy batch repeats the first row of the writer that created the buffer instead",
+            queue,
+        )
+        row = meta["first_row"]
+    return layout, row
+
+
+def batch_of(layout: Layout, row: bytes, bs: int) -> list[dict[str, torch.Tensor]]:
+    """A batch of ``bs`` copies of ``row`` (one row of ``layout``, as bytes), its ``INDEX_KEY`` entries -1."""
+    raw_row = memoryview(bytearray(row))  # torch.frombuffer wants a writable buffer (it warns on bytes)
+    batch: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.num_groups)]
+    offset = 0
+    for spec in layout.fields:
+        raw = torch.frombuffer(raw_row, dtype=torch.uint8, count=spec.row_bytes, offset=offset)
+        value = raw.view(spec.dtype).view(spec.shape)
+        batch[spec.group][spec.key] = value.unsqueeze(0).repeat(bs, *([1] * len(spec.shape)))
+        offset += spec.row_bytes
+    batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
+    return batch

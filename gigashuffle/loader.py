@@ -19,11 +19,10 @@ from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
 from .messages import LoadState, SetContext, StartPass, StateRequest
-from .meta import verified_layout
 from .procs import ChildProcess
 from .redisconn import Client, connect
 from .runtime import describe_process, is_stopped, node_secret, remove_stale_sockets, runtime_dir
-from .schema import INDEX_KEY, Layout
+from .schema import Layout
 from .session import NodeSession
 from .slottable import ShuffleBufferStats
 from .supervisor import Supervisor
@@ -279,37 +278,13 @@ class MultiprocessShuffledDataloader:
                 generation = store.generation
                 published, meta = self._wait_for(probe, "the first chunk of writer 0")
                 try:
-                    self._dummy = self._verified_dummy(generation, published, meta)
+                    self._dummy = dummy.verified(self._secret, generation, published, meta, self.config.queue_name)
                     break
                 except GigashuffleError:
                     if store.generation == generation:
                         raise
                     # Read across a rejoin (NOTE [ Rejoining ] in supervisor.py): read it again in the new session.
-        layout, row_bytes = self._dummy
-        row = memoryview(bytearray(row_bytes))
-        bs, offset = self.config.bs, 0
-        batch: Batch = [{} for _ in range(layout.num_groups)]
-        for spec in layout.fields:
-            raw = torch.frombuffer(row, dtype=torch.uint8, count=spec.row_bytes, offset=offset)
-            value = raw.view(spec.dtype).view(spec.shape)
-            batch[spec.group][spec.key] = value.unsqueeze(0).repeat(bs, *([1] * len(spec.shape)))
-            offset += spec.row_bytes
-        batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
-        return self._placement.place(batch)
-
-    def _verified_dummy(
-        self, generation: str, published: dict[str, bytes], meta: dict[str, bytes]
-    ) -> tuple[Layout, bytes]:
-        layout = verified_layout(self._secret, generation, meta, self.config.queue_name)
-        row_bytes = dummy.verified_row(self._secret, generation, published, meta, self.config.queue_name)
-        if row_bytes is None:
-            log.info(
-                "queue %r: writer 0 of the node's first rank has no rows (an empty share of a sharded source); "
-                "the dummy batch repeats the first row of the writer that created the buffer instead",
-                self.config.queue_name,
-            )
-            row_bytes = meta["first_row"]
-        return layout, row_bytes
+        return self._placement.place(dummy.batch_of(*self._dummy, self.config.bs))
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""

@@ -4,11 +4,9 @@ NOTE [ Slot table ]
 One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
 (uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
 holds it) and ``version`` (int64, set to a fresh value by every write commit, so an INDEX_KEY entry names one write
-of a slot). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock:
-``flock`` on this process's own open file description of the memfd (re-opened through ``/proc/self/fd``; an fd
-received over SCM_RIGHTS shares the sender's description and would not exclude it). The kernel drops the lock
-when its holder dies, and there is no lock file to name, share or leak. The lock is held for microseconds: a
-transition never spans a row copy.
+of a slot). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
+(``flock`` on the memfd, which the kernel drops when its holder dies; see nodelock.py). The lock is held for
+microseconds: a transition never spans a row copy.
 
 Why a kill at any instruction loses no slot and blocks nobody:
 - Each transition is journaled. The holder writes the op, its pid, the slot ids and any new versions into the
@@ -40,9 +38,10 @@ readers wait without a limit: they have nothing else to do, and the holder may g
 What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
 the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
 never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
-last search stopped, in windows sized from the count of full slots, so it usually finds its slots in one numpy
-call over about ``1.5 * n / (fraction not full)`` states (each further window doubles); ``draw_full`` samples
-by rejection and drops repeated ids with a scratch array private to the process. The hot ops take the lock
+last search stopped, in windows sized from the count of empty slots, so it usually finds its slots in one numpy
+call over about ``1.5 * n / (fraction empty)`` states (each further window doubles); ``draw_full`` samples
+by rejection and drops repeated ids with a scratch array private to the process (both in slotpick.py). The hot
+ops take the lock
 with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds per
 use); a reader returns a batch and draws the next under one hold (``release_and_draw``), and a writer publishes a
 chunk and reserves the slots of the next under one (``commit_and_acquire``; ``give_back`` returns a reservation).
@@ -50,11 +49,6 @@ chunk and reserves the slots of the next under one (``commit_and_acquire``; ``gi
 
 from __future__ import annotations
 
-import fcntl
-import os
-import threading
-import time
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,31 +57,23 @@ import numpy as np
 import numpy.typing as npt
 
 from .buffer import SharedMemory
-from .errors import NodeLockBusy
-from .runtime import describe_process, flock_holder, pid_alive
+from .nodelock import NodeLock
+from .runtime import pid_alive
+from .slotpick import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds, SlotPicker
 
-SlotIds = npt.NDArray[np.int32]
+__all__ = [
+    "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING",
+    "ShuffleBufferStats", "SlotIds", "SlotTable", "TableSnapshot", "Versions", "table_nbytes",
+]  # fmt: skip
+
 Versions = npt.NDArray[np.int64]
 
-EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
 _MAGIC = 0x67735F736C6F7434  # "gs_slot4"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
 # read, the journaled new value of the row counter the op moves, full slots and their journaled new count, empty
 # slots and theirs
 _WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 6, 7, 8, 9, 10, 11, 12
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
-_SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
-_NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
-# This process's pid, kept current across os.fork() by the hook below: os.getpid() is a system call, and every
-# lock acquisition compares it with the pid that opened the lock description (5% of a writer's time here).
-_pid = [os.getpid()]
-
-
-def _note_fork() -> None:
-    _pid[0] = os.getpid()
-
-
-os.register_at_fork(after_in_child=_note_fork)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
@@ -142,13 +128,8 @@ class SlotTable:
             self._header[_EMPTY] = slots
         elif self._header[0] != _MAGIC or self._header[1] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
-        self._rng = np.random.default_rng(seed)
-        self._seen: npt.NDArray[np.int32] | None = None  # _sample_full's scratch, private to this process
-        self._cursor = 0  # where this process's next search for empty slots starts (_first_empty)
-        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing our description
-        self._lock_fd = -1
-        self._lock_pid = -1
-        self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
+        self._picker = SlotPicker(slots, seed)
+        self._lock = NodeLock(self.memory)
 
     @property
     def fd(self) -> int | None:
@@ -166,58 +147,22 @@ class SlotTable:
     # The hot transitions call _acquire/_release in try/finally instead of ``with self._locked()``: a generator
     # context manager costs a few microseconds per use, several times per batch.
     def _acquire(self, wait_s: float | None = None) -> None:
-        """Take the node lock; with ``wait_s``, raise NodeLockBusy if it stays held that long (see
-        NOTE [ A stopped lock holder ])."""
-        self._thread_lock.acquire()
-        try:
-            if self._lock_pid != _pid[0]:  # a forked child must open its own description
-                inherited = self._finalizer.detach()
-                if inherited is not None:  # the parent's description: holding it could keep the parent's lock
-                    _close_fd(inherited[2][0])
-                if self.memory.fd is None:
-                    raise ValueError("the slot table is closed")
-                self._lock_fd = os.open(f"/proc/self/fd/{self.memory.fd}", os.O_RDWR | os.O_CLOEXEC)
-                self._lock_pid = _pid[0]
-                self._finalizer = weakref.finalize(self, _close_fd, [self._lock_fd])
-            if wait_s is None:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            else:
-                self._flock_within(wait_s)
-        except BaseException:
-            self._thread_lock.release()
-            raise
+        """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
+        if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
+        self._lock.acquire(wait_s)
         try:
             if self._header[2]:
                 self._roll_forward()
         except BaseException:
-            self._release()
+            self._lock.release()
             raise
 
-    def _flock_within(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        pause = 0.001
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = self.lock_holder()
-                    who = "an unknown process" if holder is None else describe_process(holder)
-                    raise NodeLockBusy(wait_s, who) from None
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
+    def _release(self) -> None:
+        self._lock.release()
 
     def lock_holder(self) -> int | None:
         """The pid holding the node lock now (from ``/proc/locks``), or None."""
-        fd = self.memory.fd
-        return None if fd is None else flock_holder(fd)
-
-    def _release(self) -> None:
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        finally:
-            self._thread_lock.release()
+        return self._lock.holder()
 
     def _commit(
         self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None, full_after: int = -1, empty_after: int = -1
@@ -310,48 +255,10 @@ class SlotTable:
         """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
         self._acquire()
         try:
-            ids = self._first_empty(n)
+            ids = self._picker.first_empty(self.state, int(self._header[_EMPTY]), n)
             self._commit(_ACQUIRE, pid, ids, None, -1, int(self._header[_EMPTY]) - len(ids))
         finally:
             self._release()
-        return ids
-
-    def _first_empty(self, n: int) -> SlotIds:
-        # Up to n empty slots, the first ones found scanning forward from where this process last stopped (and
-        # wrapping around). Readers empty slots uniformly at random while a writer fills the ones after its
-        # cursor, so the slots just ahead of the cursor are the ones emptied longest ago. The header counts the
-        # empty slots: none means no scan at all (a writer waiting on a full buffer polls this), and the scan
-        # stops once it has every one there is. The first window is sized to hold n empty slots at the table's
-        # density of empty slots (plus a margin), and each further window doubles: a table near min_mixing
-        # (about half full) is found in one numpy call instead of the pass over the rest of the table that a
-        # fixed-size first window fell back to whenever it came up short.
-        # From an empty table this fills slots in order, as a scan from slot 0 would.
-        state, slots = self.state, self.slots
-        empty = int(self._header[_EMPTY])
-        n = min(n, empty)
-        if n <= 0:
-            return _NO_IDS
-        window = min(slots, n * slots // empty * 3 // 2 + 256)
-        start = self._cursor % slots
-        lo, end, wrapped = start, slots, start == 0
-        found: list[npt.NDArray[np.intp]] = []
-        got = 0
-        while got < n:
-            if lo >= end:
-                if wrapped:
-                    break
-                lo, end, wrapped = 0, start, True
-                continue
-            hi = min(end, lo + window)
-            part = np.flatnonzero(state[lo:hi] == EMPTY)
-            if len(part):
-                found.append(part + lo if lo else part)
-                got += len(part)
-            lo, window = hi, 2 * window
-        if not found:
-            return _NO_IDS
-        ids: SlotIds = (found[0] if len(found) == 1 else np.concatenate(found))[:n].astype(np.int32)
-        self._cursor = int(ids[-1]) + 1
         return ids
 
     def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
@@ -374,7 +281,7 @@ class SlotTable:
             committed = self._commit_written(pid, ids)
             empty = int(self._header[_EMPTY])
             room = int(self._header[_FULL]) + empty - n >= min_full
-            fresh = self._first_empty(n) if 0 < n <= empty and room else _NO_IDS
+            fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
             self._commit(_ACQUIRE, pid, fresh, None, -1, empty - len(fresh))
         finally:
             self._release()
@@ -410,36 +317,11 @@ class SlotTable:
     def _draw(self, pid: int, n: int, min_full: int) -> tuple[SlotIds, Versions]:
         full = int(self._header[_FULL])
         if n <= 0 or full < max(n, min_full):
-            return _NO_IDS, _NO_VERSIONS
-        ids = self._sample_full(n, full)
+            return NO_IDS, _NO_VERSIONS
+        ids = self._picker.sample_full(self.state, n, full)
         versions = self.version.take(ids)
         self._commit(_DRAW, pid, ids, None, full - n)
         return ids, versions
-
-    def _sample_full(self, n: int, full: int) -> SlotIds:
-        if full < _SCAN_BELOW * self.slots:
-            candidates = np.flatnonzero(self.state == FULL)
-            return self._rng.choice(candidates, n, replace=False).astype(np.int32)
-        # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. Which
-        # copy of a repeat survives depends only on positions in the draw, never on slot ids, so the n kept form a
-        # uniform random subset of the full slots. ~n / acceptance draws, acceptance >= _SCAN_BELOW.
-        # Repeats are found with a private scratch array (last position written per slot) instead of np.unique,
-        # which sorts: this runs under the node lock.
-        if self._seen is None:
-            self._seen = np.zeros(self.slots, dtype=np.int32)
-        seen = self._seen
-        taken = _NO_IDS
-        while len(taken) < n:
-            draws = (n - len(taken)) * self.slots // full * 5 // 4 + 16
-            # random() scaled rather than integers(), which costs twice as much for these sizes: exact for a
-            # power-of-two table, else each id's probability is off by less than slots / 2**53.
-            tries = (self._rng.random(draws) * self.slots).astype(np.int32)
-            hits = tries.compress(self.state.take(tries) == FULL)
-            merged = np.concatenate([taken, hits]) if len(taken) else hits
-            positions = np.arange(len(merged), dtype=np.int32)
-            seen[merged] = positions
-            taken = merged.compress(seen.take(merged) == positions)[:n]
-        return taken
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
@@ -520,16 +402,9 @@ class SlotTable:
 
     def close(self) -> None:
         """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
-        self._finalizer()
-        self._lock_pid = -1
+        self._lock.close()
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
         self._header = self.version = self._jaux = np.empty(0, dtype=np.int64)
-        self.holder = self._jids = _NO_IDS
+        self.holder = self._jids = NO_IDS
         self.state = np.empty(0, dtype=np.uint8)
-
-
-def _close_fd(holder: list[int]) -> None:
-    if holder[0] >= 0:
-        os.close(holder[0])
-        holder[0] = -1

@@ -2,13 +2,14 @@
 
 Four actors (two writers, two readers) are processes forked from the test. Each serves commands over a pipe and
 calls the one ``SlotTable`` the test created before forking (each child opens its own lock description on first
-use, as ``_locked`` does after a fork). Beside the table lies a shared array of rows: a writer stores a unique
+use, as the node lock does after a fork). Beside the table lies a shared array of rows: a writer stores a unique
 token in each slot's row before ``commit_written``; a reader reads the rows of the slots it drew.
 
 A step is a *round*: any subset of the actors runs one command each, all at once, so they really contend for the
 node lock. Writers acquire empty slots or write and commit the ones they hold; readers draw a batch or release the
 one they hold (with or without eviction); any actor may run ``repair()`` instead, as trainers do periodically. Up
-to two of them run their command under a trace function that counts the lines executed in slottable.py and
+to two of them run their command under a trace function that counts the lines executed in the slot table's
+modules (slottable.py, nodelock.py, slotpick.py) and
 SIGKILLs the process at line ``k`` (drawn by hypothesis): a kill anywhere in the transition -- before the lock,
 with it held before or after the journal's commit point, half-way through applying the op, after the unlock, or
 while rolling forward the op another victim left half-done -- without the test repeating the implementation's
@@ -56,15 +57,16 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from slot_audit import lock_is_free
 
-from gigashuffle import slottable
+from gigashuffle import nodelock, slotpick, slottable
 from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, TableSnapshot
 
 SLOTS = 10  # small, so that writers run out of empty slots and draws meet the min_full threshold
 WRITER, READER = "writer", "reader"
 ROLES = (WRITER, WRITER, READER, READER)
 MAX_N = 4
-# An op executes 20-55 lines of slottable.py, a fused one (commit_and_acquire, release_and_draw) up to 100: half the
-# kill lines fall in the first 45, where every op is, half in the next 55, where the fused ops' second halves are.
+# An op executes 20-55 lines of the slot table's modules, a fused one (commit_and_acquire, release_and_draw) up to
+# 100: half the kill lines fall in the first 45, where every op is, half in the next 55, where the fused ops' second
+# halves are.
 # A k past an op's last line lets it finish first.
 KILL_AT = st.integers(0, 45) | st.integers(46, 100)
 WAIT_S = 30.0  # a child stuck on the lock fails the test instead of hanging it
@@ -78,8 +80,8 @@ PLAN = st.lists(
     max_size=len(ROLES),
 )
 
-# An actor and the line of slottable.py it dies at. Two victims in one round let the second die while rolling
-# forward the op the first left half-done.
+# An actor and the line of the slot table's modules it dies at. Two victims in one round let the second die while
+# rolling forward the op the first left half-done.
 KILL = st.tuples(st.integers(0, len(ROLES) - 1), KILL_AT)
 VICTIMS = st.lists(KILL, max_size=2, unique_by=lambda v: v[0])
 
@@ -95,26 +97,28 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-_SLOTTABLE = slottable.__file__
+# The transitions run in slottable.py, the lock in nodelock.py and the slot searches in slotpick.py: kills land on
+# lines of all three (an op runs about as many lines as when they were one module, so KILL_AT keeps its meaning).
+_TRACED = frozenset({slottable.__file__, nodelock.__file__, slotpick.__file__})
 # Every actor pid not yet reaped, whichever example forked it: the fixture kills what an aborted example left.
 _UNREAPED: set[int] = set()
 
 
-def _line_of(text: str) -> int:
-    """The line of slottable.py containing ``text`` (-1 if gone); only used to label where kills landed."""
-    for number, line in enumerate(linecache.getlines(_SLOTTABLE), start=1):
+def _line_of(text: str) -> tuple[str, int]:
+    """The file and line of nodelock.py containing ``text``; only used to tell whether a kill held the lock."""
+    for number, line in enumerate(linecache.getlines(nodelock.__file__), start=1):
         if text in line:
-            return number
-    return -1
+            return nodelock.__file__, number
+    raise AssertionError(f"{text!r} is no longer in nodelock.py: update the test's lock lines")
 
 
-_TAKE_LOCK = _line_of("fcntl.flock(self._lock_fd, fcntl.LOCK_EX)")
-_DROP_LOCK = _line_of("fcntl.flock(self._lock_fd, fcntl.LOCK_UN)")
+_TAKE_LOCK = _line_of("fcntl.flock(self._fd, fcntl.LOCK_EX)")
+_DROP_LOCK = _line_of("fcntl.flock(self._fd, fcntl.LOCK_UN)")
 
 
 # -- the actors' side ---------------------------------------------------------------------------------------------
 class _KillAtLine:
-    """A trace function that SIGKILLs this process just before the ``at``-th line it runs in slottable.py.
+    """A trace function that SIGKILLs this process just before the ``at``-th line it runs in the slot table's code.
 
     It first tells the parent where it is (function, line, whether the lock line has run and the unlock line has
     not, and whether it is rolling forward another's op), so that hypothesis can report where kills landed; the
@@ -124,12 +128,12 @@ class _KillAtLine:
         self.at = at
         self.seen = 0
         self.conn = conn
-        self.previous = -1
+        self.previous = ("", -1)
         self.lock_held = False
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> Any:
-        # 'call' events of every frame; only slottable.py's get line events (numpy's own code is not counted).
-        return self._line if frame.f_code.co_filename == _SLOTTABLE else None
+        # 'call' events of every frame; only the slot table's modules get line events (numpy's code is not counted).
+        return self._line if frame.f_code.co_filename in _TRACED else None
 
     def _line(self, frame: FrameType, event: str, arg: object) -> Any:
         if event != "line":
@@ -139,7 +143,7 @@ class _KillAtLine:
             self.lock_held = True
         elif self.previous == _DROP_LOCK:
             self.lock_held = False
-        self.previous = frame.f_lineno
+        self.previous = (frame.f_code.co_filename, frame.f_lineno)
         if self.seen == self.at:
             caller: FrameType | None = frame
             rolling = False
@@ -496,7 +500,8 @@ class SlotTableMachine(RuleBasedStateMachine):
         victims: list[tuple[int, int]],
         how: str,
     ) -> None:
-        """Some actors run one command each at once; each victim (actor, k) dies at line k of slottable.py."""
+        """Some actors run one command each at once; each victim (actor, k) dies at the k-th line of the slot table's
+        code that it runs."""
         kill_lines = dict(victims)
         empty_before, full_before = self._model_empty(), self._model_full()
         old_corpses = list(self.corpses)

@@ -1,0 +1,91 @@
+"""Which slots a transition takes: the empty ones a writer fills next, the full ones a reader draws.
+
+Both searches run under the node lock (see NOTE [ Slot table ] in slottable.py) on the shared ``state`` array,
+a few times per chunk and batch, so neither sorts nor passes over the whole table in the usual case. What they
+keep between calls (a cursor, a random generator, a scratch array) is private to the process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+SlotIds = npt.NDArray[np.int32]
+States = npt.NDArray[np.uint8]
+
+EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
+NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
+_SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
+
+
+class SlotPicker:
+    """One process's searches over a slot table of ``slots`` slots."""
+
+    def __init__(self, slots: int, seed: int | None = None) -> None:
+        self.slots = slots
+        self._rng = np.random.default_rng(seed)
+        self._seen: npt.NDArray[np.int32] | None = None  # sample_full's scratch
+        self._cursor = 0  # where the next search for empty slots starts (first_empty)
+
+    def first_empty(self, state: States, empty: int, n: int) -> SlotIds:
+        """Up to ``n`` of the ``empty`` empty slots, the first found scanning forward from where the last search
+        stopped (and wrapping around)."""
+        # Readers empty slots uniformly at random while a writer fills the ones after its cursor, so the slots
+        # just ahead of the cursor are the ones emptied longest ago. The header counts the empty slots: none
+        # means no scan at all (a writer waiting on a full buffer polls this), and the scan stops once it has
+        # every one there is. The first window is sized to hold n empty slots at the table's density of empty
+        # slots (plus a margin), and each further window doubles: a table near min_mixing (about half full) is
+        # found in one numpy call instead of the pass over the rest of the table that a fixed-size first window
+        # fell back to whenever it came up short. From an empty table this fills slots in order.
+        slots = self.slots
+        n = min(n, empty)
+        if n <= 0:
+            return NO_IDS
+        window = min(slots, n * slots // empty * 3 // 2 + 256)
+        start = self._cursor % slots
+        lo, end, wrapped = start, slots, start == 0
+        found: list[npt.NDArray[np.intp]] = []
+        got = 0
+        while got < n:
+            if lo >= end:
+                if wrapped:
+                    break
+                lo, end, wrapped = 0, start, True
+                continue
+            hi = min(end, lo + window)
+            part = np.flatnonzero(state[lo:hi] == EMPTY)
+            if len(part):
+                found.append(part + lo if lo else part)
+                got += len(part)
+            lo, window = hi, 2 * window
+        if not found:
+            return NO_IDS
+        ids: SlotIds = (found[0] if len(found) == 1 else np.concatenate(found))[:n].astype(np.int32)
+        self._cursor = int(ids[-1]) + 1
+        return ids
+
+    def sample_full(self, state: States, n: int, full: int) -> SlotIds:
+        """``n`` uniformly random slots of the ``full`` full ones (``full >= n``)."""
+        if full < _SCAN_BELOW * self.slots:
+            candidates = np.flatnonzero(state == FULL)
+            return self._rng.choice(candidates, n, replace=False).astype(np.int32)
+        # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. Which
+        # copy of a repeat survives depends only on positions in the draw, never on slot ids, so the n kept form a
+        # uniform random subset of the full slots. ~n / acceptance draws, acceptance >= _SCAN_BELOW.
+        # Repeats are found with the scratch array (last position written per slot) instead of np.unique, which
+        # sorts.
+        if self._seen is None:
+            self._seen = np.zeros(self.slots, dtype=np.int32)
+        seen = self._seen
+        taken = NO_IDS
+        while len(taken) < n:
+            draws = (n - len(taken)) * self.slots // full * 5 // 4 + 16
+            # random() scaled rather than integers(), which costs twice as much for these sizes: exact for a
+            # power-of-two table, else each id's probability is off by less than slots / 2**53.
+            tries = (self._rng.random(draws) * self.slots).astype(np.int32)
+            hits = tries.compress(state.take(tries) == FULL)
+            merged = np.concatenate([taken, hits]) if len(taken) else hits
+            positions = np.arange(len(merged), dtype=np.int32)
+            seen[merged] = positions
+            taken = merged.compress(seen.take(merged) == positions)[:n]
+        return taken
