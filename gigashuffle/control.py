@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from . import scripts
 from .keys import QueueKeys
-from .redisconn import Client, address, translate_errors
+from .redisconn import Client, address, run_script, translate_errors
 
 NodeCounts = tuple[int, int, int, int, int]
 """Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table."""
@@ -51,7 +52,7 @@ class ControlPlane:
         self.keys = keys
         self.generation = generation
         self._where = address(client)
-        # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT).
+        # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT; see run_script).
         self._seed = client.register_script(scripts.SEED)
         self._stats = client.register_script(scripts.STATS)
         self._join = client.register_script(scripts.JOIN)
@@ -59,9 +60,8 @@ class ControlPlane:
         self._release = client.register_script(scripts.RELEASE_RANK)
         self._drop_stale = client.register_script(scripts.DROP_STALE_CLAIM)
 
-    def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        with translate_errors(self._where):
-            return script(keys=keys, args=args)
+    def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        return run_script(script, keys, args, self._where)
 
     # -- the buffer and the processes ------------------------------------------------------------------------
     def seed(self, meta: dict[str, bytes | str]) -> bool:

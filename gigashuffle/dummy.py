@@ -28,7 +28,7 @@ from .config import DataloaderConfig
 from .errors import TamperedMetadataError
 from .keys import QueueKeys
 from .meta import verified_layout
-from .redisconn import Client, address, translate_errors
+from .redisconn import Client, address, run_script, translate_errors
 from .runtime import sign, verify
 from .schema import INDEX_KEY, Layout
 
@@ -67,8 +67,7 @@ def _absent_signature(secret: bytes, generation: str) -> str:
 def _publish(client: Client, keys: QueueKeys, generation: str, fields: dict[str, bytes | str]) -> int:
     script = client.register_script(_PUBLISH)
     pairs = [x for item in fields.items() for x in item]
-    with translate_errors(address(client)):
-        return int(script(keys=[keys.gen, keys.dummy], args=[generation, *pairs]))
+    return int(run_script(script, [keys.gen, keys.dummy], [generation, *pairs], address(client)))
 
 
 def publish_row(

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import redis
 from redis.backoff import AbstractBackoff
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -113,6 +114,20 @@ def translate_errors(where: str = "") -> Iterator[None]:
                 "without persistence, flushed, or another job reset this queue"
             ) from exc
         raise
+
+
+def run_script(script: Script, keys: list[str], args: list[Any], where: str = "") -> Any:
+    """Run a registered Lua script, with gigashuffle's errors (see ``translate_errors``).
+
+    redis-py's ``Script`` answers NOSCRIPT (a server restarted with an empty script cache) by loading the script
+    and calling EVALSHA once more; a server restarted between that load and that call (the chaos suite's Redis
+    restarts hit it) answers NOSCRIPT again. EVAL with the script's text needs no cache, so it is the fallback."""
+    with translate_errors(where):
+        try:
+            return script(keys=keys, args=args)
+        except NoScriptError:
+            text = cast(str, script.script)  # every script here is registered from a str constant
+            return script.registered_client.eval(text, len(keys), *keys, *args)
 
 
 def close(client: Client) -> None:

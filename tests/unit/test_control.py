@@ -6,13 +6,15 @@ The slot transitions are not here: they live in the slot table (tests/unit/test_
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+import redis
 
 from gigashuffle import QueueStateLostError
 from gigashuffle.control import ControlPlane, QueueStats
 from gigashuffle.keys import PREFIX, QueueKeys
-from gigashuffle.redisconn import Client
+from gigashuffle.redisconn import Client, run_script
 
 GEN = "gen-1"
 KEYS = QueueKeys("slots-test", "n0")
@@ -89,3 +91,26 @@ def test_stats_without_a_session(client: Client) -> None:
 def test_server_id_is_the_run_id(store: ControlPlane, client: Client) -> None:
     run_id = store.server_id()
     assert len(run_id) == 40 and run_id == client.info("server")["run_id"]
+
+
+def test_a_script_runs_while_the_script_cache_is_flushed_under_it(client: Client, redis_url: str) -> None:
+    """A restart empties the script cache; one between redis-py's own reload and its retried EVALSHA made a writer
+    die of NOSCRIPT in the chaos suite. Here another connection flushes the cache as fast as it can while scripts
+    run: every call must still return its result."""
+    script = client.register_script("return ARGV[1] + 1")
+    flusher = redis.Redis.from_url(redis_url)
+    stop = threading.Event()
+
+    def flush_until_stopped() -> None:
+        while not stop.is_set():
+            flusher.script_flush()
+
+    thread = threading.Thread(target=flush_until_stopped, daemon=True)
+    thread.start()
+    try:
+        results = [run_script(script, [], [i]) for i in range(300)]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        flusher.close()
+    assert results == [i + 1 for i in range(300)]
