@@ -7,9 +7,19 @@ processes get it by fd passing (SCM_RIGHTS, see ``attach.py``), which is the mec
 ``file_descriptor`` sharing strategy uses, without pickling tensors over the socket.
 
 Each field is stored as raw bytes, ``uint8 [rows, row_bytes]``, so writing a chunk and gathering a batch are one
-vectorized copy per field for every dtype (bfloat16, bool and float8 included): a numpy fancy assignment of whole
-rows into the slots (numpy copies each row as a block; torch's ``index_copy_`` moves one element at a time, 3-4x
-slower on 8 KB rows) and a torch ``index_select`` out of them (a ``memcpy`` per row).
+vectorized copy per field for every dtype (bfloat16, bool and float8 included).
+
+NOTE [ Row copies ]
+Both copies see a field as a 1-D numpy array with one element per row (``row_elements``): the unsigned integer of
+the row's size for rows of 1, 2, 4 or 8 bytes, else a ``void`` scalar of ``row_bytes``, which numpy moves as one
+block. A write is then ``put`` of the chunk's rows into the slot ids, a gather ``take`` of the slot ids into a
+ring slot. One element per row is what makes them cheap: a fancy assignment into a ``[slots, row_bytes // 8]``
+int64 view walks an index iterator over every 8-byte word, and torch's ``index_select`` pays its dispatch and a
+per-row loop. Measured on the 2-core VM of docs/benchmarks.md (1,024 random rows, medians of 5): a write of
+64-byte rows 9.5 -> 2.6 us, of 32-byte rows 15.6 -> 2.8 us; a gather of 64-byte rows 4.7 -> 3.4 us, of 8-byte rows
+7.2 -> 3.8 us; 150 KB rows cost the same either way (the copy is the memory traffic). ``take`` runs with
+``mode="clip"``: with ``"raise"`` numpy gathers into a temporary and copies it again (3x the time on 8 KB rows),
+so the gather checks the ids' range itself, which costs one ``min`` and one ``max`` over the ids.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import torch
 
 from .schema import INDEX_KEY, Layout
 
+SlotIdArray = npt.NDArray[np.integer[Any]]
+
 _ALIGN = 64  # cache line: keeps every field region aligned for any dtype and for vectorised copies
 
 
@@ -33,21 +45,27 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def wide(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (``uint8 [n, row_bytes]``) as the widest integer type that tiles a row.
+_ROW_INTS: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 
-    Copies move elements, so wider ones are fewer moves: torch's ``index_copy_`` was 5-10x faster on 8-byte
-    elements than on bytes (64 rows of 150 KB, 26 ms as uint8, 2.5 ms as int64), and numpy's row assignment in
-    ``SlotBuffer.write`` still 1.5x (1.0 ms vs 0.68 ms). A tensor whose offset does not allow the wider view (a
-    user's odd slice) stays as bytes.
-    """
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if rows.shape[-1] % dtype.itemsize == 0:
-            try:
-                return rows.view(dtype)
-            except RuntimeError:
-                continue
-    return rows
+
+def row_elements(rows: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
+    """``rows`` (``uint8 [n, row_bytes]``) as a 1-D array of ``n`` elements, each one whole row, sharing memory:
+    NOTE [ Row copies ]."""
+    n, row_bytes = rows.shape
+    if rows.strides[1] != 1 and row_bytes > 1:
+        raise ValueError(f"a field's rows must be contiguous bytes, got strides {rows.strides}")
+    dtype: np.dtype[Any] = _ROW_INTS.get(row_bytes) or np.dtype((np.void, row_bytes))
+    elements: npt.NDArray[Any] = rows.view(dtype).reshape(n)
+    return elements
+
+
+def _as_numpy(rows: torch.Tensor | npt.NDArray[Any]) -> npt.NDArray[Any]:
+    return rows.numpy() if isinstance(rows, torch.Tensor) else rows
 
 
 class SharedMemory:
@@ -110,34 +128,38 @@ class SlotBuffer:
             self.memory.view(off, slots * spec.row_bytes).view(slots, spec.row_bytes)
             for off, spec in zip(offsets, layout.fields, strict=True)
         ]
-        # Each region as numpy, viewed as the widest integer that tiles a row (see write()).
-        self._np_wide_regions = [wide(region).numpy() for region in self.regions]
+        # One element per row and field: NOTE [ Row copies ].
+        self._rows = [row_elements(region.numpy()) for region in self.regions]
 
-    def write(
-        self, slot_ids: torch.Tensor | npt.NDArray[np.integer[Any]], rows: Sequence[torch.Tensor], start: int
-    ) -> None:
-        """Copy ``rows[f][start : start + len(slot_ids)]`` into the given slots, one op per field."""
-        ids = slot_ids.numpy() if isinstance(slot_ids, torch.Tensor) else slot_ids
+    def write(self, slot_ids: torch.Tensor | SlotIdArray, rows: Sequence[torch.Tensor], start: int) -> None:
+        """Copy ``rows[f][start : start + len(slot_ids)]`` (``uint8 [n, row_bytes]`` per field) into the given
+        slots, one ``put`` per field (which raises on an id out of range)."""
+        ids = _as_numpy(slot_ids)
         end = start + len(ids)
-        for wide_region, src in zip(self._np_wide_regions, rows, strict=True):
+        for dest, src in zip(self._rows, rows, strict=True):
             part = src.numpy()
             if start or end != len(part):
                 part = part[start:end]
-            # Viewed in numpy, which (unlike a torch view) accepts any offset: the same dtype on both sides, so the
-            # assignment is a plain copy of whole rows, never a value conversion. Half the cost of a torch view.
-            wide_region[ids] = part.view(wide_region.dtype)
+            dest.put(ids, row_elements(part))
 
-    def gather(self, slot_ids: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
-        """Copy the given slots into ``out`` (one ``[len(slot_ids), row_bytes]`` tensor per field)."""
-        for region, dst in zip(self.regions, out, strict=True):
-            torch.index_select(region, 0, slot_ids, out=dst)
+    def gather(self, slot_ids: torch.Tensor | SlotIdArray, out: Sequence[torch.Tensor | npt.NDArray[Any]]) -> None:
+        """Copy the given slots into ``out``: per field a ``uint8 [len(slot_ids), row_bytes]`` tensor or array, or
+        the ``row_elements`` of one (what a reader's ring keeps, so that no view is made per batch)."""
+        ids = _as_numpy(slot_ids)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
+            raise IndexError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
+        for src, dst in zip(self._rows, out, strict=True):
+            dst_rows = _as_numpy(dst)
+            if dst_rows.ndim != 1:
+                dst_rows = row_elements(dst_rows)
+            np.take(src, ids, out=dst_rows, mode="clip")  # in range, checked above: NOTE [ Row copies ]
 
     def read_rows(self, slot_ids: torch.Tensor) -> list[torch.Tensor]:
         return [torch.index_select(region, 0, slot_ids) for region in self.regions]
 
     def close(self) -> None:
         self.regions = []
-        self._np_wide_regions = []
+        self._rows = []
         self.memory.close()
 
 
@@ -200,6 +222,7 @@ class BatchRing:
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        self._targets: dict[int, tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
         # What batch() cuts out of a ring slot, worked out once (batch() runs once per delivered batch in the
         # trainer): per field its group, key, byte range, the numpy dtype it is cut as, its row shape, and the torch
         # dtype to view it as afterwards when numpy has no such dtype (bfloat16, float8: cut as same-size ints).
@@ -222,6 +245,14 @@ class BatchRing:
         ]
         index = self.memory.view(base + self.index_offset, self.bs * 8).view(torch.int64)
         return fields, index
+
+    def targets(self, k: int) -> tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """What a reader fills in ring slot ``k``: each field's ``row_elements``, the int64 index and versions."""
+        found = self._targets.get(k)
+        if found is None:
+            fields, index = self.regions(k)
+            found = self._targets[k] = ([row_elements(f.numpy()) for f in fields], index.numpy(), self.versions(k))
+        return found
 
     def versions(self, k: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The int64 versions of ring slot ``k``'s rows, one per index."""
@@ -256,4 +287,5 @@ class BatchRing:
     def close(self) -> None:
         self._regions.clear()
         self._versions.clear()
+        self._targets.clear()
         self.memory.close()

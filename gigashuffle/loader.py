@@ -414,9 +414,9 @@ class MultiprocessShuffledDataloader:
 
 
 def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
-    """An atomic snapshot of the node's slot table; all zero until a writer has published the buffer."""
+    """The node's slot counts at one moment; all zero until a writer has published the buffer."""
     table = sup.table()
-    return ShuffleBufferStats(0, 0, 0) if table is None else table.snapshot(wait_s=_LOCK_PATIENCE_S).stats()
+    return ShuffleBufferStats(0, 0, 0) if table is None else table.stats(wait_s=_LOCK_PATIENCE_S)
 
 
 def _counts(sup: Supervisor) -> ShuffleBufferStats:

@@ -39,7 +39,7 @@ PUBLISH_WITHIN_S = 0.01
 _CHUNKS_PER_COMMIT = 4
 _MAX_BUFFER_SHARE = 16  # rows pending or reserved ahead: at most 1/16 of the buffer
 
-_NO_IDS: SlotIds = np.empty(0, dtype=np.int32)
+_NO_IDS: SlotIds = np.empty(0, dtype=np.intp)
 
 
 def rows_per_commit(chunk_rows: int, slots: int) -> int:

@@ -30,7 +30,6 @@ import os
 from collections import deque
 
 import numpy as np
-import torch
 
 from .buffer import BatchRing, SlotBuffer, ring_depth_for
 from .channel import Channel
@@ -59,11 +58,10 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
 
 
 def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, versions: Versions) -> None:
-    fields, index = ring.regions(k)
-    ids = torch.from_numpy(slots.astype(np.int64))
-    buffer.gather(ids, fields)
-    index.copy_(ids)
-    ring.versions(k)[:] = versions
+    fields, index, kept_versions = ring.targets(k)
+    buffer.gather(slots, fields)
+    index[:] = slots
+    kept_versions[:] = versions
 
 
 def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
@@ -148,7 +146,7 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
         backoff.sleep()
     per_rank = cfg.shuffle_size // cfg.local_world_size
     first = cfg.local_rank * per_rank
-    order = np.arange(first, first + per_rank, dtype=np.int32)
+    order = np.arange(first, first + per_rank, dtype=np.intp)
     batches = per_rank // cfg.bs
     free: deque[int] = deque(range(ring.depth))
     while True:

@@ -271,7 +271,7 @@ class _Reservation:
     def __init__(self, table: SlotTable, me: int) -> None:
         self.table = table
         self.me = me
-        self.ids: SlotIds = np.empty(0, dtype=np.int32)
+        self.ids: SlotIds = np.empty(0, dtype=np.intp)
 
     def held(self) -> int:
         return len(self.ids)

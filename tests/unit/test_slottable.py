@@ -23,6 +23,7 @@ from gigashuffle.slottable import (
     READING,
     READING_EVICT,
     WRITING,
+    ShuffleBufferStats,
     SlotTable,
     TableSnapshot,
     table_nbytes,
@@ -77,9 +78,11 @@ def test_write_then_read_cycle() -> None:
     assert len(got) == 4 and set(got.tolist()) <= set(ids.tolist())
     assert (table.version[got] == versions).all()
     assert table.snapshot() == TableSnapshot(0, 6, 6, 4)
+    assert table.stats() == ShuffleBufferStats(full=6, empty=0, in_flight=10)
     assert table.release_read(200, got[:2], evict=True) == 2
     assert table.release_read(200, got[2:], evict=False) == 2
     assert table.snapshot() == TableSnapshot(2, 6, 8, 0)
+    assert table.stats() == table.snapshot().stats() == ShuffleBufferStats(full=8, empty=2, in_flight=6)
     assert (table.state[got[:2]] == EMPTY).all() and (table.state[got[2:]] == FULL).all()
     assert table.counts()[:2] == (10, 4)  # committed by writers, released by readers
 
