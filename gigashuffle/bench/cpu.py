@@ -70,11 +70,13 @@ class CpuMeter:
         self.wall_s = time.perf_counter() - self.wall_s
         self.spent_s = {group: after[group] - self._before[group] for group in after}
 
-    def per_row_us(self, rows: int) -> dict[str, float]:
-        """Microseconds of CPU per delivered row, by group, plus ``all``."""
+    def per_row_us(self, rows: int, excluded_s: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Microseconds of CPU per delivered row, by group, plus ``all``; ``excluded_s``: CPU seconds of a group
+        that were not the loader's (the bench's own bookkeeping in the trainer), taken off that group."""
         if rows <= 0:
             return {}
-        out = {group: 1e6 * spent / rows for group, spent in self.spent_s.items()}
+        excluded = excluded_s or {}
+        out = {group: 1e6 * (spent - excluded.get(group, 0.0)) / rows for group, spent in self.spent_s.items()}
         out["all"] = sum(out.values())
         return out
 

@@ -119,7 +119,8 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         + _table(["workload", "", "loader", "import torch", "ratio"], startup),
         "loader children after the timed window (MiB)\n"
         + _table(["workload", "role", "rank", "pid", "USS", "PSS", "shared"], memory),
-        "CPU-us per delivered row by process over the timed window (copy floor: one process gathering rows)\n"
+        "CPU-us per delivered row by process over the timed window (copy floor: one process gathering rows; the "
+        "trainer's excludes the bench's copy of row ids for the quality figures)\n"
         + _table(["workload", "", *_CPU_GROUPS, "floor", "all/floor"], cpu),
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),

@@ -105,6 +105,9 @@ def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     assert loader["mean_fill"] is not None and 0.0 < loader["mean_fill"] <= 1.0, loader["mean_fill"]
     # CPU is metered over every process of both ranks: each rank's writer and reader, and both trainers.
     assert {"writer", "reader", "trainer", "zygote", "redis", "all"} <= loader["cpu_us_per_row"].keys()
+    # Rank 0's copy of row ids for the quality figures is metered on its own and is not the trainer's.
+    assert loader["bench_recording_us_per_row"] > 0.0, loader["bench_recording_us_per_row"]
+    assert loader["cpu_us_per_row"]["trainer"] > 0.0
     assert {(c["rank"], c["role"]) for c in loader["children"]} >= {
         (r, role) for r in (0, 1) for role in ("writer", "reader")
     }

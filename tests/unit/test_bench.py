@@ -16,6 +16,7 @@ from gigashuffle.bench.baselines import (
     dataloader_baseline,
     timed_batches,
 )
+from gigashuffle.bench.cpu import CpuMeter
 from gigashuffle.bench.workloads import (
     ID_FIELD,
     WORKLOADS,
@@ -262,3 +263,15 @@ def test_stamps_place_bursty_writers_exactly() -> None:
     assert exact.displacement < 1.0, exact
     by_share = quality.measure(batches, shuffle_size=64, num_writers=2)
     assert by_share.displacement > 100, by_share  # equal shares in total, but not over time
+
+
+def test_cpu_meter_takes_excluded_seconds_off_their_group() -> None:
+    clock = {"trainer": 1.0, "reader": 5.0}
+    meter = CpuMeter({group: [lambda group=group: clock[group]] for group in clock})
+    meter.start()
+    clock["trainer"] += 3.0
+    clock["reader"] += 2.0
+    meter.stop()
+    assert meter.per_row_us(1_000_000) == {"trainer": 3.0, "reader": 2.0, "all": 5.0}
+    # 1 s of the trainer's 3 s was the bench's bookkeeping: NOTE [ Bench bookkeeping ] in runner.py.
+    assert meter.per_row_us(1_000_000, {"trainer": 1.0}) == {"trainer": 2.0, "reader": 2.0, "all": 4.0}
