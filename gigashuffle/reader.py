@@ -48,6 +48,8 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
     layout = env.attach_buffer()
     if env.buffer is None or env.table is None:
         raise AssertionError("reader has no buffer after attach")
+    if env.table.slots != env.buffer.slots:  # _gather relies on it: every id the table hands out is a row
+        raise AssertionError(f"slot table of {env.table.slots} slots for a buffer of {env.buffer.slots}")
     ring = BatchRing(layout, env.config.bs, ring_depth_for(env.config.ring_depth, layout, env.config.bs))
     fd = ring.memory.fd
     if fd is None:
@@ -59,7 +61,7 @@ def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
 
 def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, versions: Versions) -> None:
     fields, index, kept_versions = ring.targets(k)
-    buffer.gather(slots, fields)
+    buffer.gather(slots, fields, ids_in_range=True)  # drawn from the table, which _open_ring matched to the buffer
     index[:] = slots
     kept_versions[:] = versions
 

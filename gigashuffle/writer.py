@@ -53,6 +53,8 @@ from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0
+# Between chunks a writer reads the trainer's messages (a state request waits for the answer) at most this often.
+_CONTROL_PERIOD_S = 0.001
 # How long a writer with an empty share waits for another writer of its node to publish the buffer before it
 # calls the whole node's data empty: generous, since a peer's first chunk may need a slow download.
 _EMPTY_SHARE_GRACE_S = 300.0
@@ -233,6 +235,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
+    control_due = 0.0  # when the trainer's messages are next read between chunks
     with PendingRows(table, me) as pending:
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
@@ -260,8 +263,11 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             per_commit = rows_per_commit(rows, buffer.slots)
             if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
                 reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))
-            chores.tick()
-            _handle_control(env, chunks)
+            now = time.monotonic()
+            if now >= control_due:  # a poll syscall per fast chunk was ~1% of a tiny row's CPU
+                control_due = now + _CONTROL_PERIOD_S
+                chores.tick()
+                _handle_control(env, chunks)
             chunk = chunks.next()
 
 

@@ -171,6 +171,21 @@ def test_slot_buffer_write_and_gather_are_bytes_exact(closing: list[object]) -> 
         assert raw(got) == raw(src)
 
 
+def test_gather_refuses_slot_ids_outside_the_buffer(closing: list[object]) -> None:
+    # The copy itself clips (NOTE [ Row copies ]), so without this check an id past the end would silently
+    # deliver the last row.
+    chunk = make_chunk(4)
+    layout = Layout.from_chunk(chunk)
+    buf = SlotBuffer(layout, slots=8)
+    closing.append(buf)
+    out = [torch.empty(2, spec.row_bytes, dtype=torch.uint8) for spec in layout.fields]
+    for bad in ([3, 8], [-1, 2]):
+        with pytest.raises(IndexError, match=r"slot ids must lie in \[0, 8\)"):
+            buf.gather(np.array(bad), out)
+    with pytest.raises(IndexError):
+        buf.write(np.array([1, 8]), layout.rows_in(chunk)[1], 0)  # put raises on its own
+
+
 def test_slot_buffer_fields_do_not_overlap(closing: list[object]) -> None:
     layout = Layout.from_chunk([{"a": torch.zeros(1, 3, dtype=torch.uint8), "b": torch.zeros(1, 5, dtype=torch.uint8)}])
     buf = SlotBuffer(layout, slots=9)
