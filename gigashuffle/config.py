@@ -167,6 +167,10 @@ class DataloaderConfig:
             raise _fail("bs", self.bs, "the output batch size must be a positive int")
         if self.shuffle_size <= 0:
             raise _fail("shuffle_size", self.shuffle_size, "the buffer needs a positive number of slots")
+        if self.shuffle_size >= 2**31:  # the slot table journals slot ids as int32
+            raise _fail(
+                "shuffle_size", self.shuffle_size, "a node buffer holds at most 2**31 - 1 slots; use a smaller one"
+            )
         if not _QUEUE_NAME_RE.match(self.queue_name):
             raise _fail(
                 "queue_name",

@@ -30,6 +30,7 @@ from types import TracebackType
 
 import numpy as np
 
+from .slotpick import NO_IDS
 from .slottable import SlotIds, SlotTable
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 PUBLISH_WITHIN_S = 0.01
 _CHUNKS_PER_COMMIT = 4
 _MAX_BUFFER_SHARE = 16  # rows pending or reserved ahead: at most 1/16 of the buffer
-
-_NO_IDS: SlotIds = np.empty(0, dtype=np.intp)
 
 
 def rows_per_commit(chunk_rows: int, slots: int) -> int:
@@ -90,7 +89,7 @@ class PendingRows:
         all or none, and only while ``min_full`` slots stay reachable); returns the reserved slots."""
         if n <= 0:
             self.publish()
-            return _NO_IDS
+            return NO_IDS
         self._raise_if_failed()
         ids = self._take()
         held, fresh = self.table.commit_and_acquire(self.pid, ids, n, min_full)
@@ -128,7 +127,7 @@ class PendingRows:
         with self._lock:
             pending, self._ids, self.rows = self._ids, [], 0
         if not pending:
-            return _NO_IDS
+            return NO_IDS
         return pending[0] if len(pending) == 1 else np.concatenate(pending)
 
     def _check(self, held: int, ids: SlotIds) -> None:

@@ -47,6 +47,7 @@ from .messages import Attached, DatasetState, LoadState, Rejoin, SetContext, Sta
 from .pending import PendingRows, rows_per_commit
 from .schema import Layout
 from .seeds import writer_seed
+from .slotpick import NO_IDS
 from .slottable import SlotIds, SlotTable
 from .workers import Backoff, ChildEnv, ChildSpec, Housekeeping
 
@@ -277,7 +278,7 @@ class _Reservation:
     def __init__(self, table: SlotTable, me: int) -> None:
         self.table = table
         self.me = me
-        self.ids: SlotIds = np.empty(0, dtype=np.intp)
+        self.ids: SlotIds = NO_IDS
 
     def held(self) -> int:
         return len(self.ids)

@@ -72,10 +72,10 @@ def child_memory(child_pids: dict[str, list[int]]) -> list[dict[str, Any]]:
 # NOTE [ Bench bookkeeping ]
 # The shuffle quality figures need the id of every row delivered from the first batch on, so the trainer copies
 # each batch's ids out of the ring, in the timed window too. That copy is the bench's, not the loader's: the copy
-# floor does nothing of the kind, and it cost the trainer 0.005-0.01 CPU-us per tiny row, about 40% of what the
-# trainer spends (the ids cross from the reader's core, and the growing list faults in fresh pages). The window
-# therefore measures it with ``time.thread_time()`` around the copy and takes it off the trainer's CPU; it is
-# reported on its own as ``bench_recording_us_per_row``. What the two clock reads cost stays in the trainer.
+# floor does nothing of the kind, and it cost the trainer 0.004-0.01 CPU-us per tiny row, a quarter to two fifths
+# of what the trainer spends (the ids cross from the reader's core, and the growing list faults in fresh pages).
+# The window therefore measures it with ``time.thread_time()`` around the copy and takes it off the trainer's CPU;
+# it is reported on its own as ``bench_recording_us_per_row``. What the two clock reads cost stays in the trainer.
 def _record_ids(batch: list[dict[str, torch.Tensor]], ids: list[np.ndarray]) -> None:
     for group in batch:
         if ID_FIELD in group:

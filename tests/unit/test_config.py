@@ -25,6 +25,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({"bs": 0}, ValueError, "bs", 0, "positive"),
     ({"bs": -3}, ValueError, "bs", -3, "positive"),
     ({"shuffle_size": 0}, ValueError, "shuffle_size", 0, "positive number of slots"),
+    ({"shuffle_size": 2**31}, ValueError, "shuffle_size", 2**31, "at most 2**31 - 1 slots"),
     ({"queue_name": ""}, ValueError, "queue_name", "", "1-200 characters"),
     ({"queue_name": "has space"}, ValueError, "queue_name", "has space", "no spaces, braces or colons"),
     ({"queue_name": "a:b"}, ValueError, "queue_name", "a:b", "no spaces, braces or colons"),
