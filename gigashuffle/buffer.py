@@ -19,7 +19,8 @@ per-row loop. Measured on the 2-core VM of docs/benchmarks.md (1,024 random rows
 64-byte rows 9.5 -> 2.6 us, of 32-byte rows 15.6 -> 2.8 us; a gather of 64-byte rows 4.7 -> 3.4 us, of 8-byte rows
 7.2 -> 3.8 us; 150 KB rows cost the same either way (the copy is the memory traffic). ``take`` runs with
 ``mode="clip"``: with ``"raise"`` numpy gathers into a temporary and copies it again (3x the time on 8 KB rows),
-so the gather checks the ids' range itself, which costs one ``min`` and one ``max`` over the ids.
+so the gather checks the ids' range itself, which costs one ``min`` and one ``max`` over the ids (a reader skips
+it for the ids its own slot table drew, which are rows of this buffer by construction).
 """
 
 from __future__ import annotations
