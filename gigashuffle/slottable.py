@@ -400,10 +400,9 @@ class SlotTable:
         waiting."""
         self._acquire(wait_s)
         try:
-            full, empty = int(self._header[_FULL]), int(self._header[_EMPTY])
+            return self.counts()[2]  # under the lock no transition is half done: the counts agree
         finally:
             self._release()
-        return ShuffleBufferStats(full, empty, self.slots - full - empty)
 
     def snapshot(self, wait_s: float | None = None) -> TableSnapshot:
         # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
