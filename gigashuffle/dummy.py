@@ -20,12 +20,15 @@ metadata, with a log line saying so.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .config import DataloaderConfig
-from .errors import TamperedMetadataError
+from .control import ControlPlane
+from .errors import GigashuffleError, TamperedMetadataError
 from .keys import QueueKeys
 from .meta import verified_layout
 from .redisconn import Client, address, run_script, translate_errors
@@ -33,6 +36,8 @@ from .runtime import sign, verify
 from .schema import INDEX_KEY, Layout
 
 log = logging.getLogger(__name__)
+
+_SLOW_WARNING_S = 60.0  # get_dummy_batch() logs a warning this often while it waits
 
 # KEYS: gen, dummy. ARGV: gen, then field/value pairs. 1: published; 0: an earlier publication stands;
 # -1: this process belongs to a session that is gone (its writes must not reach the new one).
@@ -144,3 +149,45 @@ def batch_of(layout: Layout, row: bytes, bs: int) -> list[dict[str, torch.Tensor
         offset += spec.row_bytes
     batch[0][INDEX_KEY] = torch.full((bs,), -1, dtype=torch.int64)
     return batch
+
+
+def await_row(
+    store: ControlPlane, secret: bytes, config: DataloaderConfig, pump: Callable[[], None], timeout_s: float | None
+) -> tuple[Layout, bytes]:
+    """Wait for the dummy row and verify it; ``pump`` runs between polls (the trainer's message pump, which
+    raises a child's death). A row read across a rejoin (NOTE [ Rejoining ] in supervisor.py) fails its check
+    against the new generation and is read again in the new session."""
+    started = time.monotonic()
+    next_warning = started + _SLOW_WARNING_S
+    while True:
+        generation = store.generation
+        while (found := _published(store)) is None:
+            now = time.monotonic()
+            if timeout_s is not None and now > started + timeout_s:
+                raise GigashuffleError(
+                    f"queue {config.queue_name!r}: get_dummy_batch(timeout_s={timeout_s}) got no row: writer 0 "
+                    "of the node's first rank (local_rank 0) has not produced its first chunk; check that rank's "
+                    "dataset, or pass a larger timeout_s"
+                )
+            if now > next_warning:
+                log.warning(
+                    "queue %r: get_dummy_batch() has waited %.0f s for the first chunk of writer 0 of the node's "
+                    "first rank (local_rank 0); is that rank running?",
+                    config.queue_name, now - started,
+                )  # fmt: skip
+                next_warning += _SLOW_WARNING_S
+            pump()
+        try:
+            return verified(secret, generation, *found, config.queue_name)
+        except GigashuffleError:
+            if store.generation == generation:
+                raise
+
+
+def _published(store: ControlPlane) -> tuple[dict[str, bytes], dict[str, bytes]] | None:
+    """The published dummy row and the buffer's metadata, once both are there."""
+    published = read(store.client, store.keys)
+    if "hmac" not in published:
+        return None
+    meta = store.meta()
+    return (published, meta) if "hmac" in meta else None

@@ -14,11 +14,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import dummy, embedded, pinning, progress
+from . import datasetstate, dummy, embedded, pinning, progress
 from .config import DataloaderConfig
 from .errors import GigashuffleError
 from .keys import QueueKeys
-from .messages import LoadState, SetContext, StartPass, StateRequest
+from .messages import SetContext, StartPass
 from .procs import ChildProcess
 from .redisconn import Client, connect
 from .runtime import describe_process, is_stopped, node_secret, remove_stale_sockets, runtime_dir
@@ -30,7 +30,6 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
-_REPLY_TIMEOUT_S = 60.0
 _SLOW_WARNING_S = 60.0
 # How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
 # holder ] in slottable.py): far longer than any transition holds it.
@@ -248,42 +247,8 @@ class MultiprocessShuffledDataloader:
         row has not come within that many seconds.
         """
         self._check_open()
-        store = self._sup.session.store
-        started = time.monotonic()
-        next_warning = started + _SLOW_WARNING_S
-
-        def probe() -> tuple[dict[str, bytes], dict[str, bytes]] | None:
-            nonlocal next_warning
-            if timeout_s is not None and time.monotonic() > started + timeout_s:
-                raise GigashuffleError(
-                    f"queue {self.config.queue_name!r}: get_dummy_batch(timeout_s={timeout_s}) got no row: writer 0 "
-                    "of the node's first rank (local_rank 0) has not produced its first chunk; check that rank's "
-                    "dataset, or pass a larger timeout_s"
-                )
-            if time.monotonic() > next_warning:
-                log.warning(
-                    "queue %r: get_dummy_batch() has waited %.0f s for the first chunk of writer 0 of the node's "
-                    "first rank (local_rank 0); is that rank running?",
-                    self.config.queue_name, time.monotonic() - started,
-                )  # fmt: skip
-                next_warning += _SLOW_WARNING_S
-            published = dummy.read(store.client, store.keys)
-            if "hmac" not in published:
-                return None
-            meta = store.meta()
-            return (published, meta) if "hmac" in meta else None
-
         if self._dummy is None:
-            while True:
-                generation = store.generation
-                published, meta = self._wait_for(probe, "the first chunk of writer 0")
-                try:
-                    self._dummy = dummy.verified(self._secret, generation, published, meta, self.config.queue_name)
-                    break
-                except GigashuffleError:
-                    if store.generation == generation:
-                        raise
-                    # Read across a rejoin (NOTE [ Rejoining ] in supervisor.py): read it again in the new session.
+            self._dummy = dummy.await_row(self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s)
         return self._placement.place(dummy.batch_of(*self._dummy, self.config.bs))
 
     def stats(self) -> ShuffleBufferStats:
@@ -325,41 +290,14 @@ class MultiprocessShuffledDataloader:
         self._check_open()
         if not callable(getattr(self.dataset, "state_dict", None)):
             raise TypeError(f"{type(self.dataset).__name__} has no state_dict(); implement state_dict/load_state_dict")
-        sup = self._sup
-        writers = self._wait_for(lambda: w if len(w := sup.writers()) == self.config.num_writers else None, "")
-        request = time.monotonic_ns()
-        sup.states.clear()
-        for child in writers:
-            child.channel.send(StateRequest(request))
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while any(sup.states.get(c.index) is None or sup.states[c.index].request != request for c in writers):
-            if time.monotonic() > deadline:
-                raise GigashuffleError(f"writers did not report their dataset state within {_REPLY_TIMEOUT_S}s")
-            sup.pump()
-        return {
-            "global_rank": self.config.global_rank,
-            "global_world_size": self.config.global_world_size,
-            "num_writers": self.config.num_writers,
-            "writers": [sup.states.pop(c.index).state for c in sorted(writers, key=lambda c: c.index)],
-        }
+        return datasetstate.collect(self._sup, self.config)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the datasets of this rank's writers from ``state_dict()`` output of the same rank layout."""
         self._check_open()
         if not callable(getattr(self.dataset, "load_state_dict", None)):
             raise TypeError(f"{type(self.dataset).__name__} has no load_state_dict(); implement it to resume")
-        cfg = self.config
-        expected = {"global_world_size": cfg.global_world_size, "num_writers": cfg.num_writers,
-                    "global_rank": cfg.global_rank}  # fmt: skip
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"load_state_dict: the checkpoint has {key}={state.get(key)!r} but this loader has {value!r}; "
-                    "resume with the same world size and num_writers, and load each rank's own state"
-                )
-        self._sup.dataset_states = list(state["writers"])
-        for child in self._sup.writers():
-            child.channel.send(LoadState(state["writers"][child.index]))
+        datasetstate.restore(self._sup, self.config, state)
 
     def child_pids(self) -> dict[str, list[int]]:
         """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``)."""

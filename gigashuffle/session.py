@@ -24,17 +24,19 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from . import embedded
 from .config import DataloaderConfig
 from .control import ControlPlane, NodeCounts
 from .errors import ConfigMismatchError, GigashuffleError, QueueInUseError, QueueStateLostError
 from .keys import QueueKeys
-from .redisconn import Client
+from .redisconn import Client, connect, translate_errors
 from .runtime import pid_alive
 
 log = logging.getLogger(__name__)
 
 LEASE_MS = 10_000
 HEARTBEAT_S = 1.0
+_CLOSE_REDIS_BUDGET_S = 2.0  # leave_at_close's retry budget
 _SHARED_FIELDS = ("bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed")
 
 
@@ -159,3 +161,36 @@ class NodeSession:
         self._left = True
         self.stop_heartbeat()
         return (store or self.store).release_rank(self.config.global_rank, self.other_ranks, self.token)
+
+
+def leave_at_close(session: NodeSession, redis_url: str, server: embedded.EmbeddedServer | None) -> None:
+    """Leave ``session`` as the loader closes, through a client of its own with a short retry budget: close()
+    must not wait out redis_timeout_s on a dead server. A Redis that does not answer is abandoned (the claim
+    expires with its TTL, and the next session of the queue cleans up)."""
+    store = _closing_store(session, redis_url, server)
+    if store is None:
+        session.abandon()
+        return
+    try:
+        session.leave(store)
+    except GigashuffleError as exc:
+        log.warning("could not leave the queue session cleanly: %s", exc)
+    finally:
+        store.client.close()
+
+
+def _closing_store(session: NodeSession, redis_url: str, server: embedded.EmbeddedServer | None) -> ControlPlane | None:
+    if server is not None and not embedded.answers(server.socket_path):
+        log.warning("the embedded Redis of %s is gone (its starter died); nothing to clean in it", session.config.node)
+        return None
+    client = None
+    try:
+        client = connect(redis_url, _CLOSE_REDIS_BUDGET_S)
+        with translate_errors(redis_url):
+            client.ping()
+    except GigashuffleError as exc:
+        log.warning("Redis does not answer at close (%s); the next session of this queue cleans up", exc)
+        if client is not None:
+            client.close()
+        return None
+    return ControlPlane(client, session.store.keys, session.store.generation)

@@ -45,26 +45,23 @@ from . import embedded
 from .buffer import BatchRing, SharedMemory
 from .channel import ChannelClosed
 from .config import DataloaderConfig
-from .control import ControlPlane, NodeCounts
-from .errors import AttachError, GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
+from .errors import GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
 from .frees import DroppedBatches
 from .messages import Attached, BatchReady, ChildError, DatasetState, FreeSlot, PassEnd, Rejoin, RingReady, ToChild
-from .meta import signed_meta, unsigned_fields, verified_layout
 from .pickling import dumps_by_value
 from .procs import ChildProcess, Zygote
-from .redisconn import Client, connect, translate_errors
-from .runtime import attach_socket_path, node_secret, remove_socket
+from .redisconn import Client
+from .runtime import attach_socket_path, remove_socket
 from .schema import Layout
 from .seeds import base_seed
-from .session import NodeSession
-from .slottable import SlotTable, table_nbytes
-from .workers import ChildSpec, fetch_node_fds, proc_name
+from .session import NodeSession, leave_at_close
+from .slottable import SlotTable
+from .tableview import TableView
+from .workers import ChildSpec, proc_name
 
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
-_CLOSE_REDIS_BUDGET_S = 2.0
-_ATTACH_TABLE_S = 2.0
 # How long the trainer waits for the node lock to return a dead child's slots: children's housekeeping does it too.
 _REPAIR_WAIT_S = 1.0
 
@@ -98,10 +95,8 @@ class Supervisor:
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
         self.context: tuple[bool, Any] = (False, None)
         self.dataset_states: list[Any] | None = None
-        self._table: SlotTable | None = None
-        self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned (NOTE [ Rejoining ])
-        self._secret = node_secret(self.runtime_path)
-        session.counts = self._node_counts
+        self.node_table = TableView(config, session, self.runtime_path)
+        session.counts = self.node_table.counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
         log.info(
             "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
@@ -272,9 +267,7 @@ class Supervisor:
             )  # fmt: skip
             try:
                 self.session.rejoin()
-                if self._meta_fields:
-                    store = self.session.store
-                    store.seed(signed_meta(self._secret, store.generation, self._meta_fields))
+                self.node_table.republish()
             except GigashuffleError as exc:
                 reason = exc
             else:
@@ -329,61 +322,7 @@ class Supervisor:
     # -- the slot table --------------------------------------------------------------------------------------
     def table(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
-        if self._table is None and "hmac" in self.session.store.meta():
-            try:
-                buffer_fd, table_fd = fetch_node_fds(self.session.store, self.config.queue_name, _ATTACH_TABLE_S)
-            except AttachError as exc:
-                log.debug("slot table not mapped yet: %s", exc)
-                return None
-            os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
-            slots = self.config.shuffle_size
-            self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
-            self._keep_meta()
-        return self._table
-
-    def _node_counts(self) -> NodeCounts | None:
-        """The slot table's counts for the heartbeat (its thread; the table locks against ours)."""
-        table = self._table
-        if table is None:
-            return None
-        try:  # without the lock: a stopped lock holder must not stop the heartbeat (NOTE [ A stopped lock holder ])
-            written, read, stats = table.counts()
-        except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
-            return None
-        return written, read, stats.full, stats.empty, stats.in_flight
-
-    def _keep_meta(self) -> None:
-        """Keep the buffer's metadata, verified, to publish it again after a rejoin (NOTE [ Rejoining ])."""
-        store = self.session.store
-        meta = store.meta()
-        try:
-            verified_layout(self._secret, store.generation, meta, self.config.queue_name)
-        except GigashuffleError as exc:
-            log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
-            return
-        self._meta_fields = unsigned_fields(meta)
-
-    def _drop_table(self) -> None:
-        if self._table is not None:
-            self._table.close()
-            self._table = None
-
-    def _closing_store(self) -> ControlPlane | None:
-        """A client with a short retry budget: close() must not wait out redis_timeout_s on a dead server."""
-        if self.server is not None and not embedded.answers(self.server.socket_path):
-            log.warning("the embedded Redis of %s is gone (its starter died); nothing to clean in it", self.config.node)
-            return None
-        client = None
-        try:
-            client = connect(self.redis_url, _CLOSE_REDIS_BUDGET_S)
-            with translate_errors(self.redis_url):
-                client.ping()
-        except GigashuffleError as exc:
-            log.warning("Redis does not answer at close (%s); the next session of this queue cleans up", exc)
-            if client is not None:
-                client.close()
-            return None
-        return ControlPlane(client, self.session.store.keys, self.session.store.generation)
+        return self.node_table.get()
 
     def _reclaim(self, child: ChildProcess) -> None:
         """Repair a dead child's slots in the table, then drop it from the process registry."""
@@ -448,22 +387,14 @@ class Supervisor:
             child.ring = None
         self.ready.clear()
         self.dropped.clear()
-        if self._table is not None:  # other ranks' children go on: give them what ours held
+        table = self.node_table.mapped
+        if table is not None:  # other ranks' children go on: give them what ours held
             try:
-                self._table.repair(dead=[c.pid for c in live if c.pid is not None], wait_s=_REPAIR_WAIT_S)
+                table.repair(dead=[c.pid for c in live if c.pid is not None], wait_s=_REPAIR_WAIT_S)
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
-        self._drop_table()
-        store = self._closing_store()
-        if store is None:
-            self.session.abandon()
-        else:
-            try:
-                self.session.leave(store)
-            except GigashuffleError as exc:
-                log.warning("could not leave the queue session cleanly: %s", exc)
-            finally:
-                store.client.close()
+        self.node_table.close()
+        leave_at_close(self.session, self.redis_url, self.server)
         self.client.close()
         if self.server is not None:
             embedded.release(self.server)
