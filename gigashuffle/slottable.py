@@ -5,8 +5,9 @@ One anonymous memfd per node buffer, created with it and handed out with it at a
 (uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
 holds it) and ``version`` (int64, set to a fresh value by every write commit, so an INDEX_KEY entry names one write
 of a slot). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
-(``flock`` on the memfd, which the kernel drops when its holder dies; see nodelock.py). The lock is held for
-microseconds: a transition never spans a row copy.
+(``flock`` on the memfd, which the kernel drops when its holder dies; see nodelock.py). The lock is held for tens
+of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
+node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
 Why a kill at any instruction loses no slot and blocks nobody:
 - Each transition is journaled. The holder writes the op, its pid, the slot ids and any new versions into the
@@ -45,6 +46,18 @@ ops take the lock
 with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds per
 use); a reader returns a batch and draws the next under one hold (``release_and_draw``), and a writer publishes a
 chunk and reserves the slots of the next under one (``commit_and_acquire``; ``give_back`` returns a reservation).
+
+NOTE [ Node lock budget ]
+Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
+the node's time that no other transition can run in. Measured in ``gigashuffle bench`` on the 2-core VM (a
+throwaway patch timed every hold in nodelock.py; docs/benchmarks.md, "Scaling on two cores"): with tiny rows,
+1 writer + 1 reader, 5-8M rows/s, the holds took a median 50-130 us (a writer's commit and reserve of ~2,000
+slots, a reader's release and draw of ~3,000) and the lock was held 40-45% of the wall time; with token rows,
+0.5M rows/s, ~30 us per hold and 19%. The cost is per slot for large transitions (about 40 ns per slot and side:
+random stores and loads on the state, holder and version arrays, plus the journal) and a fixed ~30 us of numpy
+calls for small ones. So a node with any number of cores tops out near 1 / (lock share) times these rates: about
+2x for tiny rows, 5x for token rows; image rows are far from it. A drawn slot's version is read after the lock is
+released (``_versions_of_drawn``): in three alternating runs the reader's share went from 21.5-25% to 19.9-20.9%.
 """
 
 from __future__ import annotations
@@ -310,18 +323,25 @@ class SlotTable:
         than ``max(n, min_full)`` slots are full."""
         self._acquire()
         try:
-            return self._draw(pid, n, min_full)
+            ids = self._draw(pid, n, min_full)
         finally:
             self._release()
+        return ids, self._versions_of_drawn(ids)
 
-    def _draw(self, pid: int, n: int, min_full: int) -> tuple[SlotIds, Versions]:
+    def _draw(self, pid: int, n: int, min_full: int) -> SlotIds:
         full = int(self._header[_FULL])
         if n <= 0 or full < max(n, min_full):
-            return NO_IDS, _NO_VERSIONS
+            return NO_IDS
         ids = self._picker.sample_full(self.state, n, full)
-        versions = self.version.take(ids)
         self._commit(_DRAW, pid, ids, None, full - n)
-        return ids, versions
+        return ids
+
+    def _versions_of_drawn(self, ids: SlotIds) -> Versions:
+        # Read after the lock is released: a slot reading under this process keeps its version (only a commit of a
+        # writing slot sets one; evict and repair change states, never versions), and a random gather of 8-byte
+        # words is one of the costlier steps of a draw that every process of the node waits for (NOTE [ Node
+        # lock budget ]).
+        return self.version.take(ids) if len(ids) else _NO_VERSIONS
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
@@ -339,9 +359,10 @@ class SlotTable:
         self._acquire()
         try:
             released = self._release_read(pid, ids, evict)
-            return (released, *self._draw(pid, n, min_full))
+            drawn = self._draw(pid, n, min_full)
         finally:
             self._release()
+        return released, drawn, self._versions_of_drawn(drawn)
 
     def _release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         mine = self._held(pid, ids, (READING, READING_EVICT))
