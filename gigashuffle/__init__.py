@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .loader import MultiprocessShuffledDataloader
     from .schema import INDEX_KEY
-    from .slottable import ShuffleBufferStats
+    from .slottable import LockUsage, ShuffleBufferStats
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]
@@ -37,6 +37,7 @@ _LAZY = {
     "MultiprocessShuffledDataloader": ".loader",
     "INDEX_KEY": ".schema",
     "ShuffleBufferStats": ".slottable",
+    "LockUsage": ".slottable",
 }
 
 
@@ -66,6 +67,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataloaderConfig",
     "GigashuffleError",
+    "LockUsage",
     "MultiprocessShuffledDataloader",
     "NodeLockBusy",
     "QueueInUseError",

@@ -24,7 +24,7 @@ from .redisconn import Client, connect
 from .runtime import describe_process, is_stopped, node_secret, remove_stale_sockets, runtime_dir
 from .schema import Layout
 from .session import NodeSession
-from .slottable import ShuffleBufferStats
+from .slottable import LockUsage, ShuffleBufferStats
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,15 @@ class MultiprocessShuffledDataloader:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
         self._check_open()
         return _buffer_stats(self._sup)
+
+    def lock_usage(self) -> LockUsage:
+        """The node's slot-table lock: its total hold time and number of holds since the buffer was created (zero
+        until then). Two readings over an interval give the share of the node's time that its writers' and
+        readers' transitions took; near 1, more of them on this node cannot add throughput (NOTE [ Node lock
+        budget ] in slottable.py)."""
+        self._check_open()
+        table = self._sup.table()
+        return LockUsage(0.0, 0) if table is None else table.lock_usage()
 
     def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
         """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.

@@ -62,6 +62,7 @@ released (``_versions_of_drawn``): in three alternating runs the reader's share 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ from .runtime import pid_alive
 from .slotpick import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds, SlotPicker
 
 __all__ = [
-    "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING",
+    "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",
     "ShuffleBufferStats", "SlotIds", "SlotTable", "TableSnapshot", "Versions", "table_nbytes",
 ]  # fmt: skip
 
@@ -84,10 +85,20 @@ Versions = npt.NDArray[np.int64]
 _MAGIC = 0x67735F736C6F7434  # "gs_slot4"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
 # read, the journaled new value of the row counter the op moves, full slots and their journaled new count, empty
-# slots and theirs
+# slots and theirs, then the node lock's total hold time (ns) and number of holds (NOTE [ Node lock budget ])
 _WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 6, 7, 8, 9, 10, 11, 12
+_HELD_NS, _HOLDS = 13, 14
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LockUsage:
+    """How much a node's slot-table lock has been held since its buffer was created: compare two readings over a
+    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ])."""
+
+    held_s: float
+    holds: int
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,7 @@ class SlotTable:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
         self._picker = SlotPicker(slots, seed)
         self._lock = NodeLock(self.memory)
+        self._held_since_ns = 0  # when this process last took the lock (only one thread holds it: NodeLock)
 
     @property
     def fd(self) -> int | None:
@@ -163,15 +175,24 @@ class SlotTable:
         """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
         if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
         self._lock.acquire(wait_s)
+        self._held_since_ns = time.perf_counter_ns()
         try:
             if self._header[2]:
                 self._roll_forward()
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
 
     def _release(self) -> None:
+        # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else.
+        header = self._header
+        header[_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
+        header[_HOLDS] += 1
         self._lock.release()
+
+    def lock_usage(self) -> LockUsage:
+        """The node lock's total hold time and number of holds, from the header without the lock."""
+        return LockUsage(int(self._header[_HELD_NS]) / 1e9, int(self._header[_HOLDS]))
 
     def lock_holder(self) -> int | None:
         """The pid holding the node lock now (from ``/proc/locks``), or None."""

@@ -114,6 +114,16 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         ]
         for name, ld in loaders
     ]
+    lock = [
+        [
+            name,
+            "",
+            _num(100 * ld["lock_busy"], 1) if ld.get("lock_busy") is not None else "-",
+            _num(ld.get("lock_hold_us"), 1),
+            _num(ld.get("lock_holds_per_batch"), 2),
+        ]
+        for name, ld in loaders
+    ]
     sections = [
         "start-up (constructor to dummy batch) vs python -c 'import torch'\n"
         + _table(["workload", "", "loader", "import torch", "ratio"], startup),
@@ -124,6 +134,8 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         + _table(["workload", "", *_CPU_GROUPS, "floor", "all/floor"], cpu),
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
+        "node lock over the timed window (every transition of the node's writers and readers; busy near 100%: more "
+        "of them cannot add throughput)\n" + _table(["workload", "", "busy %", "us/hold", "holds/batch"], lock),
     ]
     if any(ld.get("ranks", 1) > 1 for _, ld in loaders):
         per_rank = [

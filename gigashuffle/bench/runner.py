@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from .cpu import loader_meter, own_meter
 from .ranks import MIN_MIXING, READY_TIMEOUT_S, WARMUP_CAP_S, OtherRanks, mixing_threshold, rank_config, warm_up
 from .report import Result, format_table, ratio
 from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
+
+if TYPE_CHECKING:
+    from gigashuffle.slottable import LockUsage
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +141,14 @@ def measure_loader(
         client = loader.redis_client()
         meter = loader_meter(loader.child_pids(), client, [report.pids for report in other_reports])
         calls_before = redis_command_calls(client)
+        lock_before = loader.lock_usage()
         meter.start()
         timed[0] = True
         end = time.monotonic() + seconds
         others.start_window(end)
         rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
         meter.stop()
+        lock_after = loader.lock_usage()
         # The INFOs of the meter and of calls_before show up in the second snapshot: take them off.
         redis_calls = redis_command_calls(client) - calls_before - 3
         other_reports = others.collect_rates(end)
@@ -162,6 +167,7 @@ def measure_loader(
     samples = sum(int(r["samples"]) for r in per_rank)
     batches_total = sum(int(r["batches"]) for r in per_rank)
     samples_per_s = sum(float(r["samples_per_s"]) for r in per_rank)
+    lock = _lock_figures(lock_before, lock_after, meter.wall_s, batches_total)
     return {
         # Totals over the ranks; "seconds" is rank 0's window, which the others share.
         "samples": samples,
@@ -182,10 +188,22 @@ def measure_loader(
         "redis_cmds_per_batch": redis_calls / batches_total,
         "cpu_us_per_row": meter.per_row_us(samples, {"trainer": recording_s[0]}),
         "bench_recording_us_per_row": 1e6 * recording_s[0] / samples,
+        **lock,
         # The mean fraction of the buffer's slots that were full, sampled in the window (None: too few batches).
         "mean_fill": sum(fills) / len(fills) / workload.shuffle_size if fills else None,
         "children": children,
         "quality": quality.measure(ids, workload.shuffle_size, writers).to_dict() if ids and ranks == 1 else None,
+    }
+
+
+def _lock_figures(before: LockUsage, after: LockUsage, wall_s: float, batches: int) -> dict[str, float | None]:
+    """The node lock over the window: the share of it that the lock was held (every rank's writers and readers
+    together: NOTE [ Node lock budget ]), the mean hold, and the holds per delivered batch."""
+    held_s, holds = after.held_s - before.held_s, after.holds - before.holds
+    return {
+        "lock_busy": held_s / wall_s if wall_s > 0 else None,
+        "lock_hold_us": 1e6 * held_s / holds if holds else None,
+        "lock_holds_per_batch": holds / batches if batches else None,
     }
 
 

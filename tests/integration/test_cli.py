@@ -108,6 +108,9 @@ def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     # Rank 0's copy of row ids for the quality figures is metered on its own and is not the trainer's.
     assert loader["bench_recording_us_per_row"] > 0.0, loader["bench_recording_us_per_row"]
     assert loader["cpu_us_per_row"]["trainer"] > 0.0
+    # The node lock over the window, every rank's writers and readers together (NOTE [ Node lock budget ]).
+    assert loader["lock_holds_per_batch"] > 0.0 and loader["lock_hold_us"] > 0.0, loader
+    assert 0.0 < loader["lock_busy"] <= 1.0, loader["lock_busy"]
     assert {(c["rank"], c["role"]) for c in loader["children"]} >= {
         (r, role) for r in (0, 1) for role in ("writer", "reader")
     }

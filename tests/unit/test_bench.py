@@ -188,6 +188,9 @@ def _fake_result() -> runner.Result:
         "redis_calls": 6,
         "redis_cmds_per_batch": 3.0,
         "cpu_us_per_row": {"writer": 1.0, "reader": 2.0, "trainer": 0.5, "zygote": 0.0, "redis": 0.25, "all": 3.75},
+        "lock_busy": 0.375,
+        "lock_hold_us": 41.5,
+        "lock_holds_per_batch": 0.75,
         "quality": qual,
         "children": [{"role": "writer", "pid": 1, "uss": 1 << 20, "pss": 1 << 20, "shared": 1 << 21}],
     }
@@ -223,6 +226,8 @@ def test_format_table_has_every_section() -> None:
         assert needle in table
     cpu_row = next(line for line in table.splitlines() if line.startswith("small") and "7.50x" in line)
     assert cpu_row.split()[1:7] == ["1.00", "2.00", "0.50", "0.00", "0.25", "3.75"], cpu_row  # all/floor = 3.75/0.5
+    lock_lines = table.split("node lock over the timed window")[1].splitlines()
+    assert lock_lines[2].split() == ["small", "37.5", "41.5", "0.75"], lock_lines
 
 
 def test_format_table_shows_each_rank() -> None:

@@ -23,6 +23,7 @@ from gigashuffle.slottable import (
     READING,
     READING_EVICT,
     WRITING,
+    LockUsage,
     ShuffleBufferStats,
     SlotTable,
     TableSnapshot,
@@ -198,6 +199,28 @@ def test_attach_maps_the_same_table() -> None:
         SlotTable(4, wrong)
     wrong.close()
     other.close()
+    table.close()
+
+
+def test_lock_usage_totals_every_hold_of_every_process_that_maps_the_table() -> None:
+    """The header counts the node lock's holds and their time across processes (NOTE [ Node lock budget ])."""
+    table = SlotTable(16, seed=3)
+    assert table.lock_usage() == LockUsage(0.0, 0)
+    _fill(table, 1, 8)  # two holds: acquire, commit
+
+    def read_in_child() -> int:
+        me = os.getpid()
+        ids, _versions = table.draw_full(me, 4)
+        return 0 if table.release_read(me, ids, evict=True) == 4 else 1
+
+    assert _wait(_fork(read_in_child)) == 0  # two more: draw, release
+    after = table.lock_usage()
+    assert after.holds == 4, after
+    assert after.held_s > 0.0, after
+    with table._locked():  # a hold that lasts at least 50 ms is counted as at least that long
+        time.sleep(0.05)
+    longer = table.lock_usage()
+    assert longer.holds == 5 and longer.held_s - after.held_s >= 0.05, (after, longer)
     table.close()
 
 
