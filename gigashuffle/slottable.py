@@ -49,15 +49,15 @@ chunk and reserves the slots of the next under one (``commit_and_acquire``; ``gi
 
 NOTE [ Node lock budget ]
 Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
-the node's time that no other transition can run in. Measured in ``gigashuffle bench`` on the 2-core VM (a
-throwaway patch timed every hold in nodelock.py; docs/benchmarks.md, "Scaling on two cores"): with tiny rows,
-1 writer + 1 reader, 5-8M rows/s, the holds took a median 50-130 us (a writer's commit and reserve of ~2,000
-slots, a reader's release and draw of ~3,000) and the lock was held 40-45% of the wall time; with token rows,
-0.5M rows/s, ~30 us per hold and 19%. The cost is per slot for large transitions (about 40 ns per slot and side:
-random stores and loads on the state, holder and version arrays, plus the journal) and a fixed ~30 us of numpy
-calls for small ones. So a node with any number of cores tops out near 1 / (lock share) times these rates: about
-2x for tiny rows, 5x for token rows; image rows are far from it. A drawn slot's version is read after the lock is
-released (``_versions_of_drawn``): in three alternating runs the reader's share went from 21.5-25% to 19.9-20.9%.
+the node's time that no other transition can run in. The header totals every process's holds and their time
+(``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
+window. On the 2-core VM (docs/benchmarks.md, "Scaling on two cores"), tiny rows at 5-7M rows/s kept the lock
+busy 42-43% of the time with 1 writer + 1 reader (mean hold 84-104 us: a writer's commit and reserve of ~2,000
+slots, a reader's release and draw of ~3,000, about 40 ns per slot and side), 48-49% with 2 + 2 and 51-52% with
+two ranks; token rows 20% (57 us a hold: a few hundred slots, mostly the fixed cost of a dozen numpy calls);
+image rows 6%. So a node with any number of cores tops out near 1 / (busy share) times these rates: about 2x for
+tiny rows, 5x for token rows. A drawn slot's version is read after the lock is released (``_versions_of_drawn``):
+in three alternating runs of an instrumented tree the reader's share went from 21.5-25% to 19.9-20.9%.
 """
 
 from __future__ import annotations
