@@ -3,17 +3,18 @@
 NOTE [ Reader cycle ]
 The trainer maps the reader's ring (its fd crosses once, at start); then only ``BatchReady`` (the ring slots of one
 draw's batches, in one message) and later ``FreeSlot`` cross the channel, and nothing goes to Redis. Per hold of the
-node lock the reader draws the slots of as many batches as it has free ring slots, up to ``shuffle_size // (8 *
-bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and larger ones leave the
-lock free more often, and a reader never holds more than an eighth of the buffer). ``draw_full`` takes them
-uniformly at random among the full slots (``reading`` under this pid, once at least ``min_full_slots`` are full);
-the rows, their slot ids and versions are gathered into the free ring slots, ``bs`` rows each, without any lock
-held; ``release_read`` returns the slots (to empty, or to full when evict_on_read=False), and only then are the
-batches announced. With free ring slots left, that release and the next draw share one hold of the lock
-(``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to
-full (never delivered); killed between release and announcement, its batches are dropped, never delivered twice. The
-reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and cannot starve the
-rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring depth ] in buffer.py).
+node lock the reader draws the slots of as many batches as it has free ring slots, up to
+``shuffle_size // (8 * bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and
+larger ones leave the lock free more often, and a reader never holds more than an eighth of the buffer).
+``draw_full`` takes them uniformly at random among the full slots (``reading`` under this pid, once at least
+``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs``
+rows each, without any lock held; ``release_read`` returns the slots (to empty, or to full when
+evict_on_read=False), and only then are the batches announced. With free ring slots left, that release and the next
+draw share one hold of the lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots,
+which ``repair()`` returns to full (never delivered); killed between release and announcement, its batches are
+dropped, never delivered twice. The reader draws only for free ring slots, so a reader blocked on a slow trainer
+holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring
+depth ] in buffer.py).
 
 Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
 docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
