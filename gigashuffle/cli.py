@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .redisconn import Client
 
 COLUMNS = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes", "written_per_s",
-           "read_per_s", "generation"]  # fmt: skip
+           "read_per_s", "lock_busy_pct", "generation"]  # fmt: skip
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: what top does between refreshes
 DEFAULT_WATCH_S = 2.0
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")

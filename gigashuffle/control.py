@@ -17,8 +17,10 @@ from . import scripts
 from .keys import QueueKeys
 from .redisconn import Client, address, run_script, translate_errors
 
-NodeCounts = tuple[int, int, int, int, int]
-"""Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table."""
+NodeCounts = tuple[int, ...]
+"""Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table; then, optionally,
+the node lock's total hold time and the ``CLOCK_MONOTONIC`` time of that reading, both in ns (NOTE [ Node lock
+budget ] in slottable.py; the clock is one per machine, so the readings of a node's ranks compare)."""
 
 
 def text(value: bytes | str) -> str:
@@ -108,9 +110,16 @@ class ControlPlane:
 
     def counters(self) -> tuple[int, int]:
         """Rows ``(written, read)`` this session."""
+        written, read, _held, _at = self.all_counters()
+        return written, read
+
+    def all_counters(self) -> tuple[int, int, int, int]:
+        """Rows written and read this session, and the node lock's total hold time and the time of that reading
+        (ns; 0 until a trainer of the node recorded them)."""
+        fields = ["written", "read", "lock_held_ns", "lock_at_ns"]
         with translate_errors(self._where):
-            written, read = self.client.hmget(self.keys.counters, ["written", "read"])
-        return int(written or 0), int(read or 0)
+            written, read, held, at = self.client.hmget(self.keys.counters, fields)
+        return int(written or 0), int(read or 0), int(held or 0), int(at or 0)
 
     def meta(self) -> dict[str, bytes]:
         with translate_errors(self._where):

@@ -22,6 +22,8 @@ class Sample:
     written: int
     read: int
     at: float
+    lock_held_ns: int = 0  # the node lock's total hold time, as a heartbeat last recorded it (0: none yet)
+    lock_at_ns: int = 0  # when the node read that total (CLOCK_MONOTONIC of the node's machine)
 
 
 def _scan(client: Client, pattern: str) -> list[str]:
@@ -49,7 +51,7 @@ def sample(client: Client, server: str = "") -> list[Sample]:
     samples = []
     for store in _stores(client):
         keys = store.keys
-        written, read = store.counters()
+        written, read, lock_held_ns, lock_at_ns = store.all_counters()
         at = time.monotonic()
         stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (about once a second)
         size = int(store.meta().get("slots", b"0"))
@@ -65,10 +67,11 @@ def sample(client: Client, server: str = "") -> list[Sample]:
             "processes": stats.processes,
             "written_per_s": None,
             "read_per_s": None,
+            "lock_busy_pct": None,
             "generation": text(stats.generation) if stats.generation else "",
             "server": server,
         }
-        samples.append(Sample(row, written, read, at))
+        samples.append(Sample(row, written, read, at, lock_held_ns, lock_at_ns))
     return samples
 
 
@@ -83,8 +86,19 @@ def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
         if prev is not None and s.at > prev.at and s.written >= prev.written and s.read >= prev.read:
             row["written_per_s"] = round((s.written - prev.written) / (s.at - prev.at))
             row["read_per_s"] = round((s.read - prev.read) / (s.at - prev.at))
+        if prev is not None:
+            row["lock_busy_pct"] = _lock_busy_pct(prev, s)
         rows.append(row)
     return rows
+
+
+def _lock_busy_pct(before: Sample, now: Sample) -> float | None:
+    """The share of time the node lock was held between two of the node's own readings (taken on its clock, not
+    between our samples: heartbeats record them about once a second, at moments of their own); None without two
+    readings in order, e.g. when two ranks' heartbeats landed out of order."""
+    if not before.lock_at_ns or now.lock_at_ns <= before.lock_at_ns or now.lock_held_ns < before.lock_held_ns:
+        return None
+    return round(100 * (now.lock_held_ns - before.lock_held_ns) / (now.lock_at_ns - before.lock_at_ns), 1)
 
 
 def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:

@@ -84,7 +84,8 @@ return {'ok', redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]) or '', 0}
 HEARTBEAT = """
 -- KEYS: my rank, gen, counters
 -- ARGV: token, lease ms, gen, then optionally the slot table's rows written and read (totals) and its full,
---       empty and in-flight counts
+--       empty and in-flight counts, and after those optionally the node lock's total hold time and the monotonic
+--       time of that reading (ns)
 -- Extends this trainer's claim and records the node's counts for ``gigashuffle stats`` (absolute values: every
 -- rank of the node may write them). Returns the server's run_id (so that one call a second also notices a
 -- restarted, restored or failed-over server), or 0 when the claim or the generation is gone (Redis lost its data
@@ -96,6 +97,7 @@ if #ARGV >= 8 then
   redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
              'in_flight', ARGV[8])
 end
+if #ARGV >= 10 then redis.call('HSET', KEYS[3], 'lock_held_ns', ARGV[9], 'lock_at_ns', ARGV[10]) end
 return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from .buffer import SharedMemory
@@ -66,9 +67,11 @@ class TableView:
             return None
         try:  # without the lock: a stopped lock holder must not stop the heartbeat (NOTE [ A stopped lock holder ])
             written, read, stats = table.counts()
+            lock = table.lock_usage()
         except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
             return None
-        return written, read, stats.full, stats.empty, stats.in_flight
+        at_ns = time.monotonic_ns()
+        return written, read, stats.full, stats.empty, stats.in_flight, round(lock.held_s * 1e9), at_ns
 
     def republish(self) -> None:
         """Publish the kept metadata under the session's new generation (the first rank to do so wins)."""

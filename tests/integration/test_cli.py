@@ -137,6 +137,12 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
         client = connect(redis_url)
         try:
             rows = queue_rows(client, interval_s=0.5)
+            # The lock's share needs two heartbeat readings of a mapped table between the samples; the first
+            # sample may come before the trainer's first one.
+            deadline = time.monotonic() + 30
+            lock_rows = rows
+            while lock_rows[0]["lock_busy_pct"] is None and time.monotonic() < deadline:
+                lock_rows = queue_rows(client, interval_s=0.5)
         finally:
             stop.set()
             consumer.join(timeout=60)
@@ -149,13 +155,15 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
     assert row["full"] + row["empty"] + row["in_flight"] == 128
     assert row["processes"] == 2
     assert row["read_per_s"] > 0 and row["written_per_s"] > 0, row
+    busy = lock_rows[0]["lock_busy_pct"]
+    assert busy is not None and 0.0 < busy <= 100.0, lock_rows  # the lock was taken while batches flowed
     assert listed_by_url.returncode == 0, listed_by_url.stderr
     (listed,) = json.loads(listed_by_url.stdout)
     assert listed["queue"] == "cli-stats" and listed["read_per_s"] is None and listed["server"] == redis_url
     assert legacy_flag.returncode == 0, legacy_flag.stderr
     header, line = legacy_flag.stdout.splitlines()
     assert header.split() == ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes",
-                              "written_per_s", "read_per_s", "generation"]  # fmt: skip
+                              "written_per_s", "read_per_s", "lock_busy_pct", "generation"]  # fmt: skip
     assert line.split()[:3] == ["cli-stats", "n0", "128"]
 
 

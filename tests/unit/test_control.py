@@ -14,6 +14,7 @@ import redis
 from gigashuffle import QueueStateLostError
 from gigashuffle.control import ControlPlane, QueueStats
 from gigashuffle.keys import PREFIX, QueueKeys
+from gigashuffle.queuestats import Sample, with_rates
 from gigashuffle.redisconn import Client, run_script
 
 GEN = "gen-1"
@@ -79,6 +80,10 @@ def test_heartbeats_record_the_node_counts_and_stats_report_the_last(store: Cont
     store.register("w0", {"role": "writer", "index": 0})
     store.register("r0", {"role": "reader", "index": 0})
     assert store.counters() == (10, 4)
+    assert store.all_counters() == (10, 4, 0, 0)  # no reading of the node lock recorded yet
+    assert store.heartbeat(0, "token", 1000, (11, 5, 3, 5, 2, 7_000, 50_000)) == run_id
+    assert store.heartbeat(0, "token", 1000, (12, 6, 3, 5, 2)) == run_id  # a shorter one leaves the lock's as they are
+    assert store.all_counters() == (12, 6, 7_000, 50_000)
     assert store.stats() == QueueStats(GEN.encode(), 3, 5, 2, 2)
     assert store.processes() == {"w0": {"role": "writer", "index": 0}, "r0": {"role": "reader", "index": 0}}
     assert json.loads(client.hget(KEYS.procs, "r0")) == {"role": "reader", "index": 0}
@@ -114,3 +119,16 @@ def test_a_script_runs_while_the_script_cache_is_flushed_under_it(client: Client
         thread.join(timeout=30)
         flusher.close()
     assert results == [i + 1 for i in range(300)]
+
+
+def test_stats_rates_take_the_lock_share_between_the_node_s_own_readings() -> None:
+    """``gigashuffle stats``: the lock's busy share comes from two heartbeat readings on the node's clock."""
+    row = {"server": "s", "queue": "q", "node": "n0"}
+    first = Sample(dict(row), 100, 50, at=10.0, lock_held_ns=1_000_000, lock_at_ns=5_000_000_000)
+    later = Sample(dict(row), 300, 250, at=11.0, lock_held_ns=251_000_000, lock_at_ns=6_000_000_000)
+    (rates,) = with_rates([later], [first])
+    assert (rates["written_per_s"], rates["read_per_s"], rates["lock_busy_pct"]) == (200, 200, 25.0)
+    unread = Sample(dict(row), 100, 50, at=10.0)  # no reading recorded yet (table not mapped)
+    assert with_rates([later], [unread])[0]["lock_busy_pct"] is None
+    out_of_order = Sample(dict(row), 300, 250, at=11.0, lock_held_ns=0, lock_at_ns=4_000_000_000)
+    assert with_rates([out_of_order], [first])[0]["lock_busy_pct"] is None
