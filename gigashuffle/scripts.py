@@ -93,11 +93,13 @@ HEARTBEAT = """
 -- non-deterministic read.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if #ARGV >= 8 then
+if #ARGV >= 10 then  -- one HSET either way: every call made here counts as a command of the server
+  redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
+             'in_flight', ARGV[8], 'lock_held_ns', ARGV[9], 'lock_at_ns', ARGV[10])
+elseif #ARGV >= 8 then
   redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
              'in_flight', ARGV[8])
 end
-if #ARGV >= 10 then redis.call('HSET', KEYS[3], 'lock_held_ns', ARGV[9], 'lock_at_ns', ARGV[10]) end
 return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 """
 
