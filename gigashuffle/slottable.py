@@ -180,7 +180,7 @@ class SlotTable:
             if self._header[2]:
                 self._roll_forward()
         except BaseException:
-            self._release()
+            self._lock.release()  # not _release(): its figures are for transitions, and this table may be closed
             raise
 
     def _release(self) -> None:
