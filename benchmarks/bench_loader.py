@@ -14,6 +14,7 @@ import atexit
 import itertools
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -163,3 +164,14 @@ class Cost:
         return round((redis_command_calls(client) - before - 1) * ROWS / CPU_ROWS, 2)
 
     track_redis_commands_per_1000_rows.unit = "commands"  # type: ignore[attr-defined]
+
+    def track_node_lock_busy_pct(self) -> float:
+        # The share of the window in which the node's transitions held its slot-table lock: the bound on a node's
+        # rate of small rows whatever its cores (NOTE [ Node lock budget ] in slottable.py).
+        loader = self.running.loader
+        before, started = loader.lock_usage(), time.perf_counter()
+        self.running.read(CPU_ROWS)
+        held_s = loader.lock_usage().held_s - before.held_s
+        return round(100 * held_s / (time.perf_counter() - started), 1)
+
+    track_node_lock_busy_pct.unit = "%"  # type: ignore[attr-defined]
