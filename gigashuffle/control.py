@@ -19,8 +19,9 @@ from .redisconn import Client, address, run_script, translate_errors
 
 NodeCounts = tuple[int, ...]
 """Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table; then, optionally,
-the node lock's total hold time and the ``CLOCK_MONOTONIC`` time of that reading, both in ns (NOTE [ Node lock
-budget ] in slottable.py; the clock is one per machine, so the readings of a node's ranks compare)."""
+the node lock's total hold time and the ``CLOCK_MONOTONIC`` time of that reading, both in ns
+(NOTE [ Node lock budget ] in slottable.py; the clock is one per machine, so the readings of a node's ranks
+compare)."""
 
 
 def text(value: bytes | str) -> str:

@@ -259,8 +259,8 @@ class MultiprocessShuffledDataloader:
     def lock_usage(self) -> LockUsage:
         """The node's slot-table lock: its total hold time and number of holds since the buffer was created (zero
         until then). Two readings over an interval give the share of the node's time that its writers' and
-        readers' transitions took; near 1, more of them on this node cannot add throughput (NOTE [ Node lock
-        budget ] in slottable.py)."""
+        readers' transitions took; near 1, more of them on this node cannot add throughput
+        (NOTE [ Node lock budget ] in slottable.py)."""
         self._check_open()
         table = self._sup.table()
         return LockUsage(0.0, 0) if table is None else table.lock_usage()

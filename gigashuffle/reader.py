@@ -13,8 +13,8 @@ evict_on_read=False), and only then are the batches announced. With free ring sl
 draw share one hold of the lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots,
 which ``repair()`` returns to full (never delivered); killed between release and announcement, its batches are
 dropped, never delivered twice. The reader draws only for free ring slots, so a reader blocked on a slow trainer
-holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring
-depth ] in buffer.py).
+holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight
+(NOTE [ Ring depth ] in buffer.py).
 
 Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
 docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and

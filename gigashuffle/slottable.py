@@ -360,8 +360,8 @@ class SlotTable:
     def _versions_of_drawn(self, ids: SlotIds) -> Versions:
         # Read after the lock is released: a slot reading under this process keeps its version (only a commit of a
         # writing slot sets one; evict and repair change states, never versions), and a random gather of 8-byte
-        # words is one of the costlier steps of a draw that every process of the node waits for (NOTE [ Node
-        # lock budget ]).
+        # words is one of the costlier steps of a draw that every process of the node waits for
+        # (NOTE [ Node lock budget ]).
         return self.version.take(ids) if len(ids) else _NO_VERSIONS
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
