@@ -109,12 +109,7 @@ class ControlPlane:
             value = self.client.get(self.keys.gen)
         return None if value is None else text(value)
 
-    def counters(self) -> tuple[int, int]:
-        """Rows ``(written, read)`` this session."""
-        written, read, _held, _at = self.all_counters()
-        return written, read
-
-    def all_counters(self) -> tuple[int, int, int, int]:
+    def counters(self) -> tuple[int, int, int, int]:
         """Rows written and read this session, and the node lock's total hold time and the time of that reading
         (ns; 0 until a trainer of the node recorded them)."""
         fields = ["written", "read", "lock_held_ns", "lock_at_ns"]

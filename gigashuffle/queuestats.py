@@ -51,7 +51,7 @@ def sample(client: Client, server: str = "") -> list[Sample]:
     samples = []
     for store in _stores(client):
         keys = store.keys
-        written, read, lock_held_ns, lock_at_ns = store.all_counters()
+        written, read, lock_held_ns, lock_at_ns = store.counters()
         at = time.monotonic()
         stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (about once a second)
         size = int(store.meta().get("slots", b"0"))

@@ -79,11 +79,10 @@ def test_heartbeats_record_the_node_counts_and_stats_report_the_last(store: Cont
     assert store.heartbeat(0, "not-mine", 1000, (99, 99, 0, 0, 0)) is None  # another trainer's rank: refused
     store.register("w0", {"role": "writer", "index": 0})
     store.register("r0", {"role": "reader", "index": 0})
-    assert store.counters() == (10, 4)
-    assert store.all_counters() == (10, 4, 0, 0)  # no reading of the node lock recorded yet
+    assert store.counters() == (10, 4, 0, 0)  # rows written and read; no reading of the node lock recorded yet
     assert store.heartbeat(0, "token", 1000, (11, 5, 3, 5, 2, 7_000, 50_000)) == run_id
     assert store.heartbeat(0, "token", 1000, (12, 6, 3, 5, 2)) == run_id  # a shorter one leaves the lock's as they are
-    assert store.all_counters() == (12, 6, 7_000, 50_000)
+    assert store.counters() == (12, 6, 7_000, 50_000)
     assert store.stats() == QueueStats(GEN.encode(), 3, 5, 2, 2)
     assert store.processes() == {"w0": {"role": "writer", "index": 0}, "r0": {"role": "reader", "index": 0}}
     assert json.loads(client.hget(KEYS.procs, "r0")) == {"role": "reader", "index": 0}
