@@ -72,30 +72,45 @@ class SlotPicker:
         self._cursor = int(ids[-1]) + 1
         return ids
 
-    def sample_full(self, state: States, n: int, full: int) -> SlotIds:
-        """``n`` uniformly random slots of the ``full`` full ones (``full >= n``)."""
+    def candidates(self, n: int, full: int) -> SlotIds:
+        """Distinct uniformly random slot ids in random order, as many as hold ``n`` of ``full`` full slots on
+        average; none where ``sample_full`` would list the full slots instead. Drawn before the node lock is taken
+        (NOTE [ Node lock budget ] in slottable.py): ``full`` is the header's count read without it, and
+        ``sample_full`` checks the candidates' states under it, drawing more if they fall short."""
+        if n <= 0 or full < max(n, _SCAN_BELOW * self.slots):
+            return NO_IDS
+        return self._distinct(self._uniform_ids(self._draws_for(n, full, full)))
+
+    def _distinct(self, ids: SlotIds) -> SlotIds:
+        """``ids`` without repeats, in their order. Which copy of a repeat survives depends only on positions in
+        ``ids``, never on slot ids, so random ids stay a uniform random sequence. Repeats are found with a scratch
+        array (the last position written per slot) instead of np.unique, which sorts."""
+        if self._seen is None:
+            self._seen = np.zeros(self.slots, dtype=np.int32)
+        positions = np.arange(len(ids), dtype=np.int32)
+        self._seen[ids] = positions
+        kept: SlotIds = ids.compress(self._seen.take(ids) == positions)
+        return kept
+
+    def sample_full(self, state: States, n: int, full: int, candidates: SlotIds = NO_IDS) -> SlotIds:
+        """``n`` uniformly random slots of the ``full`` full ones (``full >= n``), taken first from ``candidates``
+        (from ``candidates()``)."""
         if full < _SCAN_BELOW * self.slots:
             candidates = np.flatnonzero(state == FULL)
             chosen: SlotIds = self._rng.choice(candidates, n, replace=False)
             return chosen
-        # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. Which
-        # copy of a repeat survives depends only on positions in the draw, never on slot ids, so the n kept form a
+        # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. The
+        # survivors of repeats form a uniform random sequence (``_distinct``), so the first n full ones are a
         # uniform random subset of the full slots. Each round draws for the hits that are expected to hold as many
         # distinct slots as are still wanted, plus 5% (``_draws_for``): one round per draw at 1/2 to 1/1 full for
         # 1,024 to 8,192 slots of 65,536, measured; drawing a fixed 1.25x the wanted ones took 3 rounds for 8,192
-        # slots at 1/2 full, and each round re-checks the ones taken. Repeats are found with the scratch array
-        # (last position written per slot) instead of np.unique, which sorts.
-        if self._seen is None:
-            self._seen = np.zeros(self.slots, dtype=np.int32)
-        seen = self._seen
-        taken = NO_IDS
+        # slots at 1/2 full, and each round re-checks the ones taken. The first round is usually ``candidates``,
+        # drawn and freed of repeats before the lock was taken: only the check of their states is left here.
+        taken = candidates.compress(state.take(candidates) == FULL)[:n] if len(candidates) else NO_IDS
         while len(taken) < n:
             tries = self._uniform_ids(self._draws_for(n - len(taken), full - len(taken), full))
             hits = tries.compress(state.take(tries) == FULL)
-            merged = np.concatenate([taken, hits]) if len(taken) else hits
-            positions = np.arange(len(merged), dtype=np.int32)
-            seen[merged] = positions
-            taken = merged.compress(seen.take(merged) == positions)[:n]
+            taken = self._distinct(np.concatenate([taken, hits]) if len(taken) else hits)[:n]
         return taken
 
     def _draws_for(self, wanted: int, untaken: int, full: int) -> int:

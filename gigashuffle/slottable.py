@@ -3,20 +3,22 @@
 NOTE [ Slot table ]
 One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
 (uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
-holds it) and ``version`` (int64, set to a fresh value by every write commit, so an INDEX_KEY entry names one write
-of a slot). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
+holds it) and ``version`` (int64, a fresh value for every write, so an INDEX_KEY entry names one write of a slot:
+the acquire that reserves a slot allots it, and the writer stamps it on the slot before the commit makes it
+full). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
 (``flock`` on the memfd, which the kernel drops when its holder dies; see nodelock.py). The lock is held for tens
 of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
 node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
 Why a kill at any instruction loses no slot and blocks nobody:
-- Each transition is journaled. The holder writes the op, its pid, the slot ids and any new versions into the
-  journal region, then stores the journal length (one aligned 8-byte store: the commit point), applies the op,
-  and stores length 0. Killed before the commit point: the table is untouched. Killed after it: the next process
-  to take the lock finds a nonzero length and applies the op again before doing anything else (roll forward).
+- Each transition is journaled. The holder writes the op, its pid and the slot ids into the journal region, then
+  stores the journal length (one aligned 8-byte store: the commit point), applies the op, and stores length 0.
+  Killed before the commit point: the table is untouched. Killed after it: the next process to take the lock
+  finds a nonzero length and applies the op again before doing anything else (roll forward).
 - Re-applying an op is idempotent, because every op either sets a value that does not depend on the old one
-  (holder, state of ids chosen under the lock, versions taken from the journal rather than incremented) or
-  moves only slots still in the op's source state (``reading -> full`` skips a slot already moved).
+  (holder, state of ids chosen under the lock, counts and the version clock taken from the journal rather than
+  incremented) or moves only slots still in the op's source state (``reading -> full`` skips a slot already
+  moved).
 - A process that dies while holding slots but not the lock leaves them ``writing`` or ``reading`` under its pid:
   ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
@@ -40,24 +42,32 @@ What a transition costs (it runs under the node lock, a few times per batch and 
 the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
 never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
 last search stopped, in windows sized from the count of empty slots, so it usually finds its slots in one numpy
-call over about ``1.5 * n / (fraction empty)`` states (each further window doubles); ``draw_full`` samples
-by rejection and drops repeated ids with a scratch array private to the process (both in slotpick.py). The hot
-ops take the lock
-with ``_acquire``/``_release`` rather than the generator context manager ``_locked`` (a few microseconds per
-use); a reader returns a batch and draws the next under one hold (``release_and_draw``), and a writer publishes a
-chunk and reserves the slots of the next under one (``commit_and_acquire``; ``give_back`` returns a reservation).
+call over about ``1.5 * n / (fraction empty)`` states (each further window doubles); ``draw_full`` samples by
+rejection (both in slotpick.py). The hot ops take the lock with ``_acquire``/``_release`` rather than the
+generator context manager ``_locked`` (a few microseconds per use); a reader returns a batch and draws the next
+under one hold (``release_and_draw``), and a writer publishes a chunk and reserves the slots of the next under one
+(``commit_and_acquire``; ``give_back`` returns a reservation).
 
 NOTE [ Node lock budget ]
 Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
-the node's time that no other transition can run in. The header totals every process's holds and their time
-(``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
-window. On the 2-core VM (docs/benchmarks.md, "Scaling on two cores"), tiny rows at 5-7M rows/s kept the lock
-busy 42-43% of the time with 1 writer + 1 reader (mean hold 84-104 us: a writer's commit and reserve of ~2,000
-slots, a reader's release and draw of ~3,000, about 40 ns per slot and side), 48-49% with 2 + 2 and 51-52% with
-two ranks; token rows 20% (57 us a hold: a few hundred slots, mostly the fixed cost of a dozen numpy calls);
-image rows 6%. So a node with any number of cores tops out near 1 / (busy share) times these rates: about 2x for
-tiny rows, 5x for token rows. A drawn slot's version is read after the lock is released (``_versions_of_drawn``):
-in three alternating runs of an instrumented tree the reader's share went from 21.5-25% to 19.9-20.9%.
+the node's time that no other transition can run in, and a node with any number of cores tops out near
+1 / (busy share) times the rate that share was measured at. The header totals every process's holds and their
+time (``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
+window. So whatever does not need the table's state is done outside the lock:
+- a reader draws its random candidate ids and drops repeats before it takes the lock (``SlotPicker.candidates``,
+  sized from the count of full slots read without the lock); under it only their states are checked, and more
+  are drawn if they fall short (the table changed meanwhile);
+- a drawn slot's version is read after the lock is released (``_versions_of_drawn``);
+- an acquire only moves the version clock (journaled); the writer stamps the new versions on its reserved slots
+  after the release (``_stamp_versions``), so a commit just marks its slots full.
+On the 2-core VM, in three alternating runs each of ``python -m gigashuffle.bench.runner --workload W --seconds 3
+--no-baselines`` (docs/benchmarks.md, "Work moved out of the node lock"), moving the candidates and the
+versions out took the lock's busy share with 1 writer + 1 reader from 41-43% to 32-33% on tiny rows (mean hold
+93-111 -> 70-77 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and
+from 20-22% to 16% on token rows (50-60 -> 37-47 us); rows/s, CPU per row and the displacement ratio stayed
+within run-to-run noise. Image rows keep it 6-7% busy. So the bound is about 3x the 1 + 1 rate for tiny rows
+and 6x for token rows (it was 2.3x and 5x); more writers and readers add a little (48-52% with 2 + 2 or two
+ranks, before this change).
 """
 
 from __future__ import annotations
@@ -82,11 +92,12 @@ __all__ = [
 
 Versions = npt.NDArray[np.int64]
 
-_MAGIC = 0x67735F736C6F7434  # "gs_slot4"
+_MAGIC = 0x67735F736C6F7435  # "gs_slot5"
 _HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
-# read, the journaled new value of the row counter the op moves, full slots and their journaled new count, empty
-# slots and theirs, then the node lock's total hold time (ns) and number of holds (NOTE [ Node lock budget ])
-_WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 6, 7, 8, 9, 10, 11, 12
+# read, the journaled new value of the counter the op moves (rows written or read, or the clock), full slots and
+# their journaled new count, empty slots and theirs, then the node lock's total hold time (ns) and number of holds
+# (NOTE [ Node lock budget ])
+_CLOCK, _WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
 _HELD_NS, _HOLDS = 13, 14
 _ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
@@ -124,7 +135,7 @@ class TableSnapshot:
 
 
 def table_nbytes(slots: int) -> int:
-    return _HEADER + slots * (1 + 4 + 8 + 4 + 8) + 64
+    return _HEADER + slots * (8 + 4 + 4 + 1) + 64
 
 
 class SlotTable:
@@ -141,8 +152,7 @@ class SlotTable:
         self._header = raw[:_HEADER].view(np.int64)
         offset = _HEADER
         self.version = raw[offset : offset + 8 * slots].view(np.int64)
-        self._jaux = raw[offset + 8 * slots : offset + 16 * slots].view(np.int64)
-        offset += 16 * slots
+        offset += 8 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
         self._jids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
         offset += 8 * slots
@@ -198,36 +208,34 @@ class SlotTable:
         """The pid holding the node lock now (from ``/proc/locks``), or None."""
         return self._lock.holder()
 
-    def _commit(
-        self, op: int, pid: int, ids: SlotIds, aux: Versions | None = None, full_after: int = -1, empty_after: int = -1
-    ) -> None:
+    def _commit(self, op: int, pid: int, ids: SlotIds, full_after: int = -1, empty_after: int = -1) -> None:
         """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
         of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""
         n = len(ids)
         if n == 0:
             return
         self._jids[:n] = ids
-        if aux is not None:
-            self._jaux[:n] = aux
         header = self._header
         header[3] = op  # two scalar stores: a slice store from a tuple converts it to an array first
         header[4] = pid
         if op == _COMMIT:  # counters are journaled as their new value, so a roll-forward sets them again
             header[_JCOUNT] = header[_WRITTEN] + n
+        elif op == _ACQUIRE:  # so is the version clock, moved past a fresh version for each slot reserved
+            header[_JCOUNT] = header[_CLOCK] + n
         elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
             header[_JCOUNT] = header[_READ] + n
         header[_JFULL] = header[_FULL] if full_after < 0 else full_after
         header[_JEMPTY] = header[_EMPTY] if empty_after < 0 else empty_after
         header[2] = n  # the commit point: from here on the op happens, even if we die
-        self._apply(op, pid, ids, aux)
+        self._apply(op, pid, ids)
         header[2] = 0
 
     def _roll_forward(self) -> None:
         n, op, pid = (int(x) for x in self._header[2:5])
-        self._apply(op, pid, self._jids[:n].astype(np.intp), self._jaux[:n].copy())
+        self._apply(op, pid, self._jids[:n].astype(np.intp))
         self._header[2] = 0
 
-    def _apply(self, op: int, pid: int, ids: SlotIds, aux: Versions | None) -> None:
+    def _apply(self, op: int, pid: int, ids: SlotIds) -> None:
         # A roll-forward finds every journaled slot either as the op found it or as the op left it (nothing else
         # runs between a death and the next lock holder's roll-forward): ops whose ids were all in one state when
         # journaled set their target state outright; the others move only slots still in a source state.
@@ -235,11 +243,9 @@ class SlotTable:
         if op in (_ACQUIRE, _DRAW):
             self.holder[ids] = pid
             state[ids] = WRITING if op == _ACQUIRE else READING
-        elif op == _COMMIT:  # every id was writing under pid
-            if aux is None:
-                raise AssertionError("a commit without versions")
-            self.version[ids] = aux
-            self._header[5] = max(int(self._header[5]), int(aux[-1]))  # commit_written's versions ascend
+            if op == _ACQUIRE:
+                self._header[_CLOCK] = self._header[_JCOUNT]
+        elif op == _COMMIT:  # every id was writing under pid, and carries the version its writer stamped
             state[ids] = FULL
             self._header[_WRITTEN] = self._header[_JCOUNT]
         elif op == _RELEASE_EVICT:  # every id was reading (or reading-then-evict) under pid
@@ -290,9 +296,11 @@ class SlotTable:
         self._acquire()
         try:
             ids = self._picker.first_empty(self.state, int(self._header[_EMPTY]), n)
-            self._commit(_ACQUIRE, pid, ids, None, -1, int(self._header[_EMPTY]) - len(ids))
+            self._commit(_ACQUIRE, pid, ids, -1, int(self._header[_EMPTY]) - len(ids))
+            clock = int(self._header[_CLOCK])
         finally:
             self._release()
+        self._stamp_versions(ids, clock)
         return ids
 
     def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
@@ -316,16 +324,24 @@ class SlotTable:
             empty = int(self._header[_EMPTY])
             room = int(self._header[_FULL]) + empty - n >= min_full
             fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
-            self._commit(_ACQUIRE, pid, fresh, None, -1, empty - len(fresh))
+            self._commit(_ACQUIRE, pid, fresh, -1, empty - len(fresh))
+            clock = int(self._header[_CLOCK])
         finally:
             self._release()
+        self._stamp_versions(fresh, clock)
         return committed, fresh
+
+    def _stamp_versions(self, ids: SlotIds, clock: int) -> None:
+        # The acquire moved the version clock to ``clock`` past len(ids) values of its own (journaled); the writer
+        # stamps them on its reserved slots after releasing the lock (NOTE [ Node lock budget ]). Nobody reads the
+        # version of a writing slot, and the commit that makes them full comes later from this same process. A
+        # writer killed before or while stamping leaves writing slots that repair empties: no row has them.
+        if len(ids):
+            self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
 
     def _commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
         mine = self._held(pid, ids, (WRITING,))
-        clock = int(self._header[5])
-        versions = np.arange(clock + 1, clock + 1 + len(mine), dtype=np.int64)
-        self._commit(_COMMIT, pid, mine, versions, int(self._header[_FULL]) + len(mine))
+        self._commit(_COMMIT, pid, mine, int(self._header[_FULL]) + len(mine))
         return len(mine)
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
@@ -333,7 +349,7 @@ class SlotTable:
         self._acquire()
         try:
             mine = self._held(pid, ids, (WRITING,))
-            self._commit(_GIVE_BACK, pid, mine, None, -1, int(self._header[_EMPTY]) + len(mine))
+            self._commit(_GIVE_BACK, pid, mine, -1, int(self._header[_EMPTY]) + len(mine))
         finally:
             self._release()
         return len(mine)
@@ -342,25 +358,26 @@ class SlotTable:
     def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
         """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
         than ``max(n, min_full)`` slots are full."""
+        candidates = self._picker.candidates(n, int(self._header[_FULL]))
         self._acquire()
         try:
-            ids = self._draw(pid, n, min_full)
+            ids = self._draw(pid, n, min_full, candidates)
         finally:
             self._release()
         return ids, self._versions_of_drawn(ids)
 
-    def _draw(self, pid: int, n: int, min_full: int) -> SlotIds:
+    def _draw(self, pid: int, n: int, min_full: int, candidates: SlotIds) -> SlotIds:
         full = int(self._header[_FULL])
         if n <= 0 or full < max(n, min_full):
             return NO_IDS
-        ids = self._picker.sample_full(self.state, n, full)
-        self._commit(_DRAW, pid, ids, None, full - n)
+        ids = self._picker.sample_full(self.state, n, full, candidates)
+        self._commit(_DRAW, pid, ids, full - n)
         return ids
 
     def _versions_of_drawn(self, ids: SlotIds) -> Versions:
-        # Read after the lock is released: a slot reading under this process keeps its version (only a commit of a
-        # writing slot sets one; evict and repair change states, never versions), and a random gather of 8-byte
-        # words is one of the costlier steps of a draw that every process of the node waits for
+        # Read after the lock is released: a slot reading under this process keeps its version (only the writer
+        # that reserved a slot sets one; evict and repair change states, never versions), and a random gather of
+        # 8-byte words is one of the costlier steps of a draw that every process of the node waits for
         # (NOTE [ Node lock budget ]).
         return self.version.take(ids) if len(ids) else _NO_VERSIONS
 
@@ -377,10 +394,11 @@ class SlotTable:
     ) -> tuple[int, SlotIds, Versions]:
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
+        candidates = self._picker.candidates(n, int(self._header[_FULL]))
         self._acquire()
         try:
             released = self._release_read(pid, ids, evict)
-            drawn = self._draw(pid, n, min_full)
+            drawn = self._draw(pid, n, min_full, candidates)
         finally:
             self._release()
         return released, drawn, self._versions_of_drawn(drawn)
@@ -389,10 +407,10 @@ class SlotTable:
         mine = self._held(pid, ids, (READING, READING_EVICT))
         empty = int(self._header[_EMPTY])
         if evict:
-            self._commit(_RELEASE_EVICT, pid, mine, None, -1, empty + len(mine))
+            self._commit(_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
         else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
-            self._commit(_RELEASE_KEEP, pid, mine, None, int(self._header[_FULL]) + back, empty + len(mine) - back)
+            self._commit(_RELEASE_KEEP, pid, mine, int(self._header[_FULL]) + back, empty + len(mine) - back)
         return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
@@ -409,7 +427,7 @@ class SlotTable:
             chosen = np.unique(ids[ok])
             gone = int(np.count_nonzero(self.state[chosen] == FULL))
             header = self._header
-            self._commit(_EVICT, 0, chosen, None, int(header[_FULL]) - gone, int(header[_EMPTY]) + gone)
+            self._commit(_EVICT, 0, chosen, int(header[_FULL]) - gone, int(header[_EMPTY]) + gone)
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
@@ -424,7 +442,7 @@ class SlotTable:
             ids = held[np.isin(holders, gone)]
             back = int(np.count_nonzero(self.state[ids] == READING))
             header = self._header  # writing and reading-then-evict slots become empty, reading ones full
-            self._commit(_REPAIR, 0, ids, None, int(header[_FULL]) + back, int(header[_EMPTY]) + len(ids) - back)
+            self._commit(_REPAIR, 0, ids, int(header[_FULL]) + back, int(header[_EMPTY]) + len(ids) - back)
         return len(ids)
 
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
@@ -458,6 +476,6 @@ class SlotTable:
         self._lock.close()
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
-        self._header = self.version = self._jaux = np.empty(0, dtype=np.int64)
+        self._header = self.version = np.empty(0, dtype=np.int64)
         self.holder = self._jids = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)

@@ -17,6 +17,7 @@ from slot_audit import lock_is_free
 from gigashuffle import NodeLockBusy
 from gigashuffle.buffer import SharedMemory
 from gigashuffle.reader import draw_batches as reader_draw
+from gigashuffle.slotpick import SlotPicker
 from gigashuffle.slottable import (
     EMPTY,
     FULL,
@@ -186,6 +187,28 @@ def test_draws_are_uniform_over_full_slots(full_slots: int) -> None:
     assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2
 
 
+def test_candidates_drawn_before_the_lock_stay_uniform_when_the_table_changed_meanwhile() -> None:
+    """A reader draws its candidate ids before it takes the node lock, sized from a count of full slots read
+    without it; by the time it holds the lock, half of those slots may have been read. The draw then tops the
+    candidates up under the lock and stays a uniform sample of the slots full at that moment."""
+    slots, n, rounds = 1000, 64, 2000
+    picker = SlotPicker(slots, seed=9)
+    state = np.full(slots, EMPTY, dtype=np.uint8)
+    full = np.random.default_rng(10).choice(slots, slots // 2, replace=False)
+    state[full] = FULL
+    counts = np.zeros(slots, dtype=np.int64)
+    for _ in range(rounds):
+        candidates = picker.candidates(n, slots)  # sized as if every slot were still full
+        got = picker.sample_full(state, n, len(full), candidates)
+        assert len(got) == n and len(np.unique(got)) == n and (state[got] == FULL).all()
+        counts[got] += 1
+    expected = n * rounds / len(full)
+    chi2 = float((((counts[full] - expected) ** 2) / expected).sum())
+    dof = len(full) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2
+    assert len(picker.candidates(n, slots // 8)) == 0  # so few full that the draw lists them instead
+
+
 def test_attach_maps_the_same_table() -> None:
     table = SlotTable(8, seed=7)
     ids = _fill(table, 1, 3)
@@ -270,7 +293,7 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
             if applied != "none":
                 table._header[2] = len(got)  # the commit point
                 part = got[:3] if applied == "half" else got
-                table._apply(slottable._RELEASE_EVICT, me, part, None)
+                table._apply(slottable._RELEASE_EVICT, me, part)
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -288,23 +311,22 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
     assert table._header[2] == 0
 
 
-def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> None:
+def test_kill_inside_a_commit_rolls_forward_keeping_the_versions_stamped_at_acquire() -> None:
     table = SlotTable(8, seed=11)
 
     def die_in_commit() -> int:
         from gigashuffle import slottable
 
         me = os.getpid()
-        ids = table.acquire_empty(me, 8)
+        ids = table.acquire_empty(me, 8)  # allots versions 1..8, stamped on the slots after the lock is released
         with table._locked():
-            versions = np.arange(1, 9, dtype=np.int64)
-            table._jids[:8], table._jaux[:8] = ids, versions
+            table._jids[:8] = ids
             table._header[3:5] = (slottable._COMMIT, me)
             table._header[slottable._JCOUNT] = 8  # rows written once the commit is applied
             table._header[slottable._JFULL] = 8  # and full slots
             table._header[slottable._JEMPTY] = 0  # none empty, as the acquire left it
             table._header[2] = 8
-            table._apply(slottable._COMMIT, me, ids[:5], versions[:5])  # which sets it; the roll-forward again
+            table._apply(slottable._COMMIT, me, ids[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -318,6 +340,36 @@ def test_kill_inside_a_commit_rolls_forward_with_the_journaled_versions() -> Non
     table.release_read(1, got, evict=True)
     _fill(table, 1, 8)
     assert table.version.min() > 8  # the clock moved past the rolled-forward versions
+
+
+def test_kill_inside_an_acquire_moves_the_version_clock_once() -> None:
+    """The acquire journals the clock's new value: rolled forward after a kill half-way through applying it, the
+    clock moves past the dead writer's allotment once, and later writes never get a version twice."""
+    table = SlotTable(8, seed=12)
+
+    def die_in_acquire() -> int:
+        from gigashuffle import slottable
+
+        me = os.getpid()
+        ids = np.arange(4, dtype=np.intp)
+        with table._locked():
+            table._jids[:4] = ids
+            table._header[3:5] = (slottable._ACQUIRE, me)
+            table._header[slottable._JCOUNT] = 4  # the clock once versions 1..4 are allotted
+            table._header[slottable._JFULL] = 0
+            table._header[slottable._JEMPTY] = 4
+            table._header[2] = 4  # the commit point
+            table._apply(slottable._ACQUIRE, me, ids[:2])  # sets the clock; the roll-forward sets it again
+            os.kill(me, signal.SIGKILL)
+        return 1
+
+    dead = _fork(die_in_acquire)
+    assert os.WTERMSIG(_wait(dead)) == signal.SIGKILL
+    assert table.snapshot() == TableSnapshot(4, 4, 0, 0)  # the whole acquire happened: 4 slots writing
+    assert (table.holder[:4] == dead).all()
+    assert table.repair() == 4  # the dead writer never stamped or wrote them: back to empty
+    _fill(table, 1, 8)
+    assert sorted(table.version.tolist()) == list(range(5, 13))  # 1..4 went to the dead writer, never again
 
 
 def test_acquire_finds_scattered_empty_slots_in_order_from_its_cursor_and_wraps() -> None:

@@ -292,7 +292,8 @@ class SlotTableMachine(RuleBasedStateMachine):
         self.dropped: set[int] = set()
         self.evicted: set[int] = set()
         self.next_token = 1
-        self.top_version = 0
+        self.top_version = 0  # the highest version committed so far
+        self.old_versions: set[int] = set()  # every version committed before the current round
         self.new_versions: list[int] = []  # the versions the current round's commits gave out
 
     def _spawn(self, role: str) -> Actor:
@@ -617,9 +618,13 @@ class SlotTableMachine(RuleBasedStateMachine):
                 if solo:
                     assert len(ids) == (n if full_before >= max(n, min_full) else 0)
                 self._drew(actor, ids, versions, tokens, n)
-        # Every write gets a version newer than any before it, whichever writer and however it was committed.
-        assert len(set(self.new_versions)) == len(self.new_versions)
-        assert all(v > self.top_version for v in self.new_versions), (self.top_version, self.new_versions)
+        # Every write gets a version no other write ever had, whichever writer and however it was committed (the
+        # acquire allots them, so a writer that reserved earlier may commit a lower one later: only equality counts).
+        assert len(set(self.new_versions)) == len(self.new_versions), self.new_versions
+        reused = self.old_versions.intersection(self.new_versions)
+        assert not reused, f"versions given to a second write: {sorted(reused)}"
+        assert all(v > 0 for v in self.new_versions), self.new_versions  # -1 is evict()'s wildcard
+        self.old_versions.update(self.new_versions)
         self.top_version = max([self.top_version, *self.new_versions])
 
         if dead:
