@@ -67,6 +67,31 @@ class Transitions:
         self.fixture.cycle(ROWS)
 
 
+class LockHold:
+    """How long the node lock is held per 1,000 rows written and read in ``Transitions``' cycle: the part of that
+    work which every writer and reader of a node waits for, and so what bounds a node's rate of small rows
+    whatever its cores (NOTE [ Node lock budget ] in slottable.py). From the table's own ``lock_usage()``."""
+
+    params = (WORKLOAD_NAMES,)
+    param_names = ("workload",)
+    repeat = (5, 20, 10.0)
+    timeout = 300
+    CYCLES = 20
+
+    def setup(self, workload: str) -> None:
+        if workload not in _FIXTURES:
+            _FIXTURES[workload] = _Fixture(workload)
+        self.fixture = _FIXTURES[workload]
+
+    def track_lock_hold_us_per_1000_rows(self, workload: str) -> float:
+        table = self.fixture.table
+        before = table.lock_usage()
+        self.fixture.cycle(self.CYCLES * ROWS)
+        return round((table.lock_usage().held_s - before.held_s) * 1e6 / self.CYCLES, 2)
+
+    track_lock_hold_us_per_1000_rows.unit = "us"  # type: ignore[attr-defined]
+
+
 def _write_for(table: SlotTable, chunk: int, seconds: float) -> tuple[int, float]:
     """A writer's transitions for ``seconds``: rows committed and the CPU seconds it took."""
     pid, rows, cpu = os.getpid(), 0, time.process_time()
