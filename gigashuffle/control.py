@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from . import scripts
+from .errors import RedisUnavailableError
 from .keys import QueueKeys
 from .redisconn import Client, address, run_script, translate_errors
 
@@ -47,6 +48,22 @@ class JoinResult:
     new_session: bool
 
 
+MIN_REDIS = (6, 2)  # SET ... XX GET, the heartbeat's one command (NOTE [ Heartbeat ] in session.py)
+
+
+def check_server_version(info: dict[str, Any], where: str) -> None:
+    """Raise RedisUnavailableError for a server older than ``MIN_REDIS`` (``info``: its INFO server section).
+    Valkey reports the Redis version it is compatible with as ``redis_version``."""
+    version = str(info.get("redis_version", ""))
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if len(parts) == 2 and parts < MIN_REDIS:
+        raise RedisUnavailableError(
+            f"the Redis server at {where} is version {version}, and gigashuffle needs Redis "
+            f"{'.'.join(map(str, MIN_REDIS))} or newer (or Valkey): point redis_url at a newer server, or leave it "
+            "unset for the embedded one"
+        )
+
+
 class ControlPlane:
     """The Redis side of one queue on one node, for one process and one session generation."""
 
@@ -59,7 +76,7 @@ class ControlPlane:
         self._seed = client.register_script(scripts.SEED)
         self._stats = client.register_script(scripts.STATS)
         self._join = client.register_script(scripts.JOIN)
-        self._heartbeat = client.register_script(scripts.HEARTBEAT)
+        self._restore_claim = client.register_script(scripts.RESTORE_CLAIM)
         self._release = client.register_script(scripts.RELEASE_RANK)
         self._drop_stale = client.register_script(scripts.DROP_STALE_CLAIM)
 
@@ -94,13 +111,14 @@ class ControlPlane:
 
     def server_id(self) -> str:
         """The ``run_id`` of the server holding this queue's keys. A restarted, snapshot-restored or failed-over
-        server has a new one, whatever data it came back with."""
+        server has a new one, whatever data it came back with. Refuses a server too old for the heartbeat."""
         with translate_errors(self._where):
             if isinstance(self.client, RedisCluster):
                 node = self.client.get_node_from_key(self.keys.gen)  # type: ignore[no-untyped-call]
                 info = self.client.info("server", target_nodes=node)
             else:
                 info = self.client.info("server")
+        check_server_version(info, self._where)
         return str(info["run_id"])
 
     def generation_now(self) -> str | None:
@@ -138,13 +156,23 @@ class ControlPlane:
         self.generation = reply[1].decode()
         return JoinResult(self.generation, reply[2].decode(), bool(reply[3]))
 
-    def heartbeat(self, rank: int, token: str, lease_ms: int, counts: NodeCounts | None = None) -> str | None:
-        """Extend the claim and record ``counts``; the server's ``run_id``, or None when the claim or the generation
-        is gone."""
-        k = self.keys
-        args = [token, lease_ms, self.generation, *(counts or ())]
-        reply = self._run(self._heartbeat, [k.rank(rank), k.gen, k.counters], args)
-        return None if reply == 0 else text(reply)
+    def extend_claim(self, rank: int, token: str, lease_ms: int) -> str | None:
+        """Set ``rank``'s claim to ``token`` for ``lease_ms`` if it exists, in one command (``SET ... XX GET``);
+        returns the value it held before (``token`` while the claim is ours; a retried call sees its own write),
+        or None when it is gone and nothing was written."""
+        with translate_errors(self._where):
+            before = self.client.set(self.keys.rank(rank), token, px=lease_ms, xx=True, get=True)
+        return None if before is None else text(cast("bytes | str", before))
+
+    def restore_claim(self, rank: int, token: str, holder: str, lease_ms: int) -> bool:
+        """Give ``rank``'s claim back to ``holder`` after ``extend_claim`` overwrote it, unless it changed since."""
+        return bool(self._run(self._restore_claim, [self.keys.rank(rank)], [token, holder, lease_ms]))
+
+    def record_counts(self, counts: NodeCounts) -> None:
+        """Record the node's counts for ``gigashuffle stats``: absolute values, which every rank may write."""
+        fields = ("written", "read", "full", "empty", "in_flight", "lock_held_ns", "lock_at_ns")
+        with translate_errors(self._where):
+            self.client.hset(self.keys.counters, mapping=dict(zip(fields, counts, strict=False)))
 
     def release_rank(self, rank: int, other_ranks: list[int], token: str) -> bool:
         k = self.keys

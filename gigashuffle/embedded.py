@@ -137,7 +137,7 @@ def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
         "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "600", "--save", "", "--appendonly", "no",
         "--dir", str(directory), "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
         # The server's housekeeping timer runs once a second instead of ten times: idle, that timer was all the CPU
-        # it used (2 ms a second, more than the loader's one heartbeat call a second). Nothing here needs it
+        # it used (2 ms a second, more than the loader's heartbeat, a command or two every 2 s). Nothing here needs it
         # faster: an expired key is gone to whoever reads it, and there are no client timeouts or replicas.
         "--hz", "1",
     ]  # fmt: skip

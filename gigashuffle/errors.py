@@ -70,7 +70,7 @@ class QueueInUseError(GigashuffleError):
 
 
 class RedisUnavailableError(GigashuffleError):
-    """Redis could not be reached within the retry budget."""
+    """Redis could not be reached within the retry budget, or is too old to use."""
 
 
 class QueueStateLostError(GigashuffleError):

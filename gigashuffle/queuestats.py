@@ -53,7 +53,7 @@ def sample(client: Client, server: str = "") -> list[Sample]:
         keys = store.keys
         written, read, lock_held_ns, lock_at_ns = store.counters()
         at = time.monotonic()
-        stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (about once a second)
+        stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (every HEARTBEAT_S)
         size = int(store.meta().get("slots", b"0"))
         ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
         row = {
@@ -94,7 +94,7 @@ def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
 
 def _lock_busy_pct(before: Sample, now: Sample) -> float | None:
     """The share of time the node lock was held between two of the node's own readings (taken on its clock, not
-    between our samples: heartbeats record them about once a second, at moments of their own); None without two
+    between our samples: heartbeats record them every ``HEARTBEAT_S``, at moments of their own); None without two
     readings in order, e.g. when two ranks' heartbeats landed out of order."""
     if not before.lock_at_ns or now.lock_at_ns <= before.lock_at_ns or now.lock_held_ns < before.lock_held_ns:
         return None

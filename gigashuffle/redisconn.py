@@ -2,8 +2,8 @@
 
 Retries come from redis-py's own ``Retry`` object; our backoff policy (``DeadlineBackoff``) bounds how long one
 call keeps retrying rather than how often, so a refused connection and a server that hangs both end after about
-``redis_timeout_s``. Retries are safe for our scripts: each is idempotent for a retried call (the heartbeat records
-absolute counts; see NOTE [ Control plane ] in ``scripts.py``).
+``redis_timeout_s``. Retries are safe for our calls: each is idempotent for a retried call (the heartbeat records
+absolute counts, and its SET finds its own token; see NOTE [ Heartbeat ] in ``session.py``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ NOTE [ Control plane ]
 Slots are not here: their state lives in the slot table beside the buffer (NOTE [ Slot table ] in
 ``slottable.py``), so nothing Redis forgets, restores or fails over can contradict it. What Redis keeps is who is
 here and what was agreed: rank claims, the session generation, the shared conf, the buffer's HMAC'd metadata, the
-process registry and the node's counts, which each trainer's heartbeat records once a second. Scripts that act for
-a process of a session check its generation (``ARGV[1]`` against ``KEYS[1]``): after a new node session a stale
-process gets ``GIGASHUFFLE_STALE``. In the steady state a node makes one call a second per trainer, none per batch.
+process registry and the node's counts, which each trainer's heartbeat records. Scripts that act for a process of
+a session check its generation (``ARGV[1]`` against ``KEYS[1]``): after a new node session a stale process gets
+``GIGASHUFFLE_STALE``. In the steady state each trainer sends about 1.2 commands a second and none per batch
+(NOTE [ Heartbeat ] in session.py).
 """
 
 from __future__ import annotations
@@ -81,26 +82,16 @@ end
 return {'ok', redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2]) or '', 0}
 """
 
-HEARTBEAT = """
--- KEYS: my rank, gen, counters
--- ARGV: token, lease ms, gen, then optionally the slot table's rows written and read (totals) and its full,
---       empty and in-flight counts, and after those optionally the node lock's total hold time and the monotonic
---       time of that reading (ns)
--- Extends this trainer's claim and records the node's counts for ``gigashuffle stats`` (absolute values: every
--- rank of the node may write them). Returns the server's run_id (so that one call a second also notices a
--- restarted, restored or failed-over server), or 0 when the claim or the generation is gone (Redis lost its data
--- or another trainer took the rank). INFO comes after the writes: old servers refuse writes after a
--- non-deterministic read.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if #ARGV >= 10 then  -- one HSET either way: every call made here counts as a command of the server
-  redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
-             'in_flight', ARGV[8], 'lock_held_ns', ARGV[9], 'lock_at_ns', ARGV[10])
-elseif #ARGV >= 8 then
-  redis.call('HSET', KEYS[3], 'written', ARGV[4], 'read', ARGV[5], 'full', ARGV[6], 'empty', ARGV[7],
-             'in_flight', ARGV[8])
+RESTORE_CLAIM = """
+-- KEYS: a rank
+-- ARGV: the token a heartbeat wrote, the holder value it overwrote, lease ms
+-- Gives a rank's claim back to the trainer whose value a heartbeat's SET overwrote (see NOTE [ Heartbeat ] in
+-- session.py), unless it changed again meanwhile. Returns 1 if it did.
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
 end
-return string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
+return 0
 """
 
 RELEASE_RANK = """

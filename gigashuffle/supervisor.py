@@ -3,17 +3,19 @@
 NOTE [ Supervision ]
 The trainer never blocks on one thing: every wait is a ``select`` over the zygote's channel and every child's
 channel with a timeout of at most ``_PUMP_S``, so a child's death (reported by the zygote with its exit status)
-or a lost Redis session is seen within about a second even while the trainer waits for a batch. A child that
-raised sends a ``ChildError`` (type and traceback) before exiting; the trainer raises that text in a ``WorkerDied``.
-A dead child's slots are repaired in the slot table at once (when the trainer has mapped it; else the other
-children's once-a-second repair finds the dead pid), and with ``max_restarts`` left it is spawned again.
+or a lost Redis session (once the heartbeat saw it: NOTE [ Heartbeat ]) is seen within about a second even while
+the trainer waits for a batch. A child that raised sends a ``ChildError`` (type and traceback) before exiting;
+the trainer raises that text in a ``WorkerDied``. A dead child's slots are repaired in the slot table at once
+(when the trainer has mapped it; else the other children's once-a-second repair finds the dead pid), and with
+``max_restarts`` left it is spawned again.
 When the session itself is lost, the trainer rejoins (NOTE [ Rejoining ]). ``shutdown()`` is idempotent and is
 also the loader's ``weakref.finalize`` callback, so it must not refer to the loader object.
 
 NOTE [ Rejoining ]
 Redis may forget or contradict the node session: restarted without persistence, flushed, restored from an older
-snapshot, failed over to a replica. The heartbeat notices (the claim or generation is gone, or the server's
-``run_id`` changed), and so does a child whose generation-checked call is refused. None of that touches the rows:
+snapshot, failed over to a replica. The heartbeat notices (a claim that is gone within one beat, a changed
+generation or ``run_id`` within ``VERIFY_EVERY`` beats: NOTE [ Heartbeat ]), and so does a child whose
+generation-checked call is refused. None of that touches the rows:
 the buffer and its slot table live in the children's shared memory. So the trainer
   1. joins again: the first rank of the node back starts a new generation, the others join it;
   2. publishes the buffer's metadata again under it, from the verified copy it kept when it mapped the slot

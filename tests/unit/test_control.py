@@ -11,8 +11,8 @@ import threading
 import pytest
 import redis
 
-from gigashuffle import QueueStateLostError
-from gigashuffle.control import ControlPlane, QueueStats
+from gigashuffle import QueueStateLostError, RedisUnavailableError
+from gigashuffle.control import ControlPlane, QueueStats, check_server_version
 from gigashuffle.keys import PREFIX, QueueKeys
 from gigashuffle.queuestats import Sample, with_rates
 from gigashuffle.redisconn import Client, run_script
@@ -65,23 +65,35 @@ def test_state_lost_after_flush_is_refused(store: ControlPlane, client: Client) 
     client.flushall()
     with pytest.raises(QueueStateLostError, match="Redis was restarted"):
         store.seed({"layout": "x", "owner": "w0"})
-    assert store.heartbeat(0, "token", 1000, (1, 0, 0, 0, 0)) is None  # nothing to extend, nothing recorded
+    assert store.extend_claim(0, "token", 1000) is None  # nothing to extend
     assert client.dbsize() == 0  # a stale process recreated nothing
+
+
+def test_a_claim_is_extended_in_one_command_that_returns_what_it_held(store: ControlPlane, client: Client) -> None:
+    """NOTE [ Heartbeat ]: SET ... XX GET extends a claim that exists, says what it held, and creates nothing."""
+    assert store.extend_claim(0, "token", 1000) is None  # no claim: nothing written
+    assert not client.exists(KEYS.rank(0))
+    client.set(KEYS.rank(0), "token", px=100)
+    assert store.extend_claim(0, "token", 5000) == "token"
+    assert store.extend_claim(0, "token", 5000) == "token"  # as a retried call finds its own write
+    assert 1000 < client.pttl(KEYS.rank(0)) <= 5000
+    client.set(KEYS.rank(0), "thief", px=1000)
+    assert store.extend_claim(0, "token", 5000) == "thief"  # overwritten: the caller gives it back
+    assert store.restore_claim(0, "token", "thief", 5000) is True
+    assert client.get(KEYS.rank(0)) == b"thief" and client.pttl(KEYS.rank(0)) > 1000
+    assert store.restore_claim(0, "token", "thief", 5000) is False  # changed since: left alone
+    assert client.get(KEYS.rank(0)) == b"thief"
 
 
 def test_heartbeats_record_the_node_counts_and_stats_report_the_last(store: ControlPlane, client: Client) -> None:
     assert store.stats() == QueueStats(GEN.encode(), 0, 0, 0, 0)
-    client.set(KEYS.rank(0), "token")
-    run_id = client.info("server")["run_id"]
-    assert store.heartbeat(0, "token", 1000, (10, 0, 6, 2, 2)) == run_id
-    assert store.heartbeat(0, "token", 1000, (10, 4, 3, 5, 2)) == run_id  # totals, not increments
-    assert store.heartbeat(0, "token", 1000) == run_id  # no table mapped yet: the counts stay as they were
-    assert store.heartbeat(0, "not-mine", 1000, (99, 99, 0, 0, 0)) is None  # another trainer's rank: refused
+    store.record_counts((10, 0, 6, 2, 2))
+    store.record_counts((10, 4, 3, 5, 2))  # totals, not increments
     store.register("w0", {"role": "writer", "index": 0})
     store.register("r0", {"role": "reader", "index": 0})
     assert store.counters() == (10, 4, 0, 0)  # rows written and read; no reading of the node lock recorded yet
-    assert store.heartbeat(0, "token", 1000, (11, 5, 3, 5, 2, 7_000, 50_000)) == run_id
-    assert store.heartbeat(0, "token", 1000, (12, 6, 3, 5, 2)) == run_id  # a shorter one leaves the lock's as they are
+    store.record_counts((11, 5, 3, 5, 2, 7_000, 50_000))
+    store.record_counts((12, 6, 3, 5, 2))  # a shorter one leaves the lock's as they are
     assert store.counters() == (12, 6, 7_000, 50_000)
     assert store.stats() == QueueStats(GEN.encode(), 3, 5, 2, 2)
     assert store.processes() == {"w0": {"role": "writer", "index": 0}, "r0": {"role": "reader", "index": 0}}
@@ -131,3 +143,17 @@ def test_stats_rates_take_the_lock_share_between_the_node_s_own_readings() -> No
     assert with_rates([later], [unread])[0]["lock_busy_pct"] is None
     out_of_order = Sample(dict(row), 300, 250, at=11.0, lock_held_ns=0, lock_at_ns=4_000_000_000)
     assert with_rates([out_of_order], [first])[0]["lock_busy_pct"] is None
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"), [("6.0.16", True), ("5.0.7", True), ("6.2.0", False), ("7.2.4", False), ("", False)]
+)
+def test_a_server_too_old_for_the_heartbeat_is_refused_with_the_fix(version: str, refused: bool) -> None:
+    """The heartbeat's SET ... XX GET needs Redis 6.2 (Valkey reports a newer redis_version); an unknown version
+    is let through to fail at the call itself, naming the command."""
+    info = {"redis_version": version, "run_id": "x"}
+    if not refused:
+        check_server_version(info, "redis://old:6379")
+        return
+    with pytest.raises(RedisUnavailableError, match=rf"redis://old:6379 is version {version}.*6\.2 or newer"):
+        check_server_version(info, "redis://old:6379")

@@ -247,7 +247,7 @@ def test_last_leave_deletes_every_key_of_the_queue(
     assert store.seed({"layout": "{}", "slots": "10", "owner": "w0"})
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
-    assert store.heartbeat(0, s0.token, LEASE_MS, (6, 2, 4, 4, 2)) is not None
+    store.record_counts((6, 2, 4, 4, 2))
     assert dummy.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}
@@ -273,8 +273,6 @@ def test_heartbeat_keeps_the_claim_alive(
     )
     assert client.get(NODE0.rank(0)) == s0.token.encode()
     assert s0.lost is None
-    assert s0.store.heartbeat(0, s0.token, LEASE_MS) == client.info("server")["run_id"]  # one call: claim + run_id
-    assert s0.store.heartbeat(0, "someone-else", LEASE_MS) is None
 
 
 def test_heartbeat_notices_a_lost_session(
@@ -299,3 +297,51 @@ def test_heartbeat_notices_a_stolen_rank(
     # Leaving does not delete a claim that is no longer ours.
     s0.leave()
     assert client.get(NODE0.rank(0)) == b"otherhost:1:thief"
+
+
+def test_heartbeat_notices_a_replaced_generation_while_the_claim_stays(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The beat's SET sees only the claim; every VERIFY_EVERY-th beat also reads the generation."""
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.05)
+    s0 = join(config(0))
+    client.set(NODE0.gen, "another-generation")
+    wait_until(lambda: s0.lost is not None, timeout_s=DEADLINE_S, what="the heartbeat to notice the new generation")
+    assert "another-generation" in str(s0.lost)
+    assert client.get(NODE0.rank(0)) == s0.token.encode()  # the claim was never in doubt
+
+
+def _commands(client: Client) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in client.info("commandstats").items()}
+
+
+def test_a_heartbeat_costs_a_claim_and_the_counts_and_a_check_every_few_beats(
+    join: Callable[[DataloaderConfig], NodeSession], client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Heartbeat ]: one SET and one HSET a beat, a GET and an INFO every VERIFY_EVERY beats, nothing else
+    (the issue 9 budget: far under one Redis command per hundred batches)."""
+    monkeypatch.setattr(session_mod, "HEARTBEAT_S", 0.02)
+    s0 = join(config(0))
+    s0.counts = lambda: (7, 3, 2, 1, 1, 5_000, 9_000)
+    before = _commands(client)
+    polls = 0
+
+    def beats() -> int:
+        nonlocal polls
+        polls += 1
+        return _commands(client).get("set", 0) - before.get("set", 0)
+
+    wait_until(lambda: beats() >= 3 * session_mod.VERIFY_EVERY, timeout_s=DEADLINE_S, what="fifteen heartbeats")
+    s0.stop_heartbeat()
+    after = _commands(client)
+    used = {name: calls - before.get(name, 0) for name, calls in after.items() if calls != before.get(name, 0)}
+    used["info"] -= polls + 1  # our own readings
+    for setup in ("hello", "client|setinfo"):  # a connection's opening, once per pooled connection
+        used.pop(setup, None)
+    if not used["info"]:
+        del used["info"]
+    made = used["set"]
+    checks = made // session_mod.VERIFY_EVERY
+    assert used == {"set": made, "hset": made, "get": checks, "info": checks}, used
+    assert client.hmget(NODE0.counters, ["written", "read", "lock_at_ns"]) == [b"7", b"3", b"9000"]
+    assert s0.lost is None
