@@ -10,24 +10,9 @@ full). Every transition is a few vectorized numpy statements on an array of slot
 of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
 node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
-Why a kill at any instruction loses no slot and blocks nobody:
-- Each transition is journaled. The holder writes the op, its pid and the slot ids into the journal region, then
-  stores the journal length (one aligned 8-byte store: the commit point), applies the op, and stores length 0.
-  Killed before the commit point: the table is untouched. Killed after it: the next process to take the lock
-  finds a nonzero length and applies the op again before doing anything else (roll forward).
-- Re-applying an op is idempotent, because every op either sets a value that does not depend on the old one
-  (holder, state of ids chosen under the lock, counts and the version clock taken from the journal rather than
-  incremented) or moves only slots still in the op's source state (``reading -> full`` skips a slot already
-  moved).
-- A process that dies while holding slots but not the lock leaves them ``writing`` or ``reading`` under its pid:
-  ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
-  a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
-  [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
-- Four counts live in the header: full slots (read by every draw, so that no draw passes over the whole table),
-  empty slots (read by every acquire, so that a writer waiting on a full buffer scans nothing), and the totals of
-  rows written and read (for ``gigashuffle stats``). An op journals each count's new value,
-  computed under the lock before the commit point, and applying the op sets that value: a roll-forward cannot
-  count twice. ``stats()`` reads them under the lock; ``snapshot()`` still counts ``state`` itself.
+Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
+[ Slot journal ] in slotjournal.py); ``stats()`` reads the header's counts under the lock, ``snapshot()`` counts
+``state`` itself.
 
 NOTE [ A stopped lock holder ]
 A dead holder never blocks the node; a stopped one (SIGSTOP, a debugger at a breakpoint, a frozen cgroup) does,
@@ -83,6 +68,28 @@ import numpy.typing as npt
 from .buffer import SharedMemory
 from .nodelock import NodeLock
 from .runtime import pid_alive
+from .slotjournal import (
+    H_CLOCK,
+    H_EMPTY,
+    H_FULL,
+    H_HELD_NS,
+    H_HOLDS,
+    H_LENGTH,
+    H_MAGIC,
+    H_READ,
+    H_SLOTS,
+    H_WRITTEN,
+    HEADER_BYTES,
+    OP_ACQUIRE,
+    OP_COMMIT,
+    OP_DRAW,
+    OP_EVICT,
+    OP_GIVE_BACK,
+    OP_RELEASE_EVICT,
+    OP_RELEASE_KEEP,
+    OP_REPAIR,
+    Journal,
+)
 from .slotpick import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds, SlotPicker
 
 __all__ = [
@@ -93,13 +100,6 @@ __all__ = [
 Versions = npt.NDArray[np.int64]
 
 _MAGIC = 0x67735F736C6F7435  # "gs_slot5"
-_HEADER = 128  # bytes: 16 int64 words: magic, slots, journal length, op, pid, version clock, rows written, rows
-# read, the journaled new value of the counter the op moves (rows written or read, or the clock), full slots and
-# their journaled new count, empty slots and theirs, then the node lock's total hold time (ns) and number of holds
-# (NOTE [ Node lock budget ])
-_CLOCK, _WRITTEN, _READ, _JCOUNT, _FULL, _JFULL, _EMPTY, _JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
-_HELD_NS, _HOLDS = 13, 14
-_ACQUIRE, _COMMIT, _DRAW, _RELEASE_KEEP, _RELEASE_EVICT, _EVICT, _REPAIR, _GIVE_BACK = range(1, 9)
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
@@ -135,7 +135,7 @@ class TableSnapshot:
 
 
 def table_nbytes(slots: int) -> int:
-    return _HEADER + slots * (8 + 4 + 4 + 1) + 64
+    return HEADER_BYTES + slots * (8 + 4 + 4 + 1) + 64
 
 
 class SlotTable:
@@ -149,18 +149,18 @@ class SlotTable:
         if self.memory.fd is None:
             raise ValueError("a slot table needs the memfd itself (to open its own lock), not a closed one")
         raw = self.memory.numpy_view(0, table_nbytes(slots))
-        self._header = raw[:_HEADER].view(np.int64)
-        offset = _HEADER
+        self._header = raw[:HEADER_BYTES].view(np.int64)
+        offset = HEADER_BYTES
         self.version = raw[offset : offset + 8 * slots].view(np.int64)
         offset += 8 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
-        self._jids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
+        journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
         offset += 8 * slots
         self.state = raw[offset : offset + slots]
+        self._journal = Journal(self._header, journal_ids, self.state, self.holder)
         if memory is None:
-            self._header[:2] = (_MAGIC, slots)
-            self._header[_EMPTY] = slots
-        elif self._header[0] != _MAGIC or self._header[1] != slots:
+            self._header[[H_MAGIC, H_SLOTS, H_EMPTY]] = (_MAGIC, slots, slots)
+        elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
         self._picker = SlotPicker(slots, seed)
         self._lock = NodeLock(self.memory)
@@ -187,8 +187,8 @@ class SlotTable:
         self._lock.acquire(wait_s)
         self._held_since_ns = time.perf_counter_ns()
         try:
-            if self._header[2]:
-                self._roll_forward()
+            if self._header[H_LENGTH]:
+                self._journal.roll_forward()
         except BaseException:
             self._lock.release()  # not _release(): its figures are for transitions, and this table may be closed
             raise
@@ -196,79 +196,17 @@ class SlotTable:
     def _release(self) -> None:
         # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else.
         header = self._header
-        header[_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
-        header[_HOLDS] += 1
+        header[H_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
+        header[H_HOLDS] += 1
         self._lock.release()
 
     def lock_usage(self) -> LockUsage:
         """The node lock's total hold time and number of holds, from the header without the lock."""
-        return LockUsage(int(self._header[_HELD_NS]) / 1e9, int(self._header[_HOLDS]))
+        return LockUsage(int(self._header[H_HELD_NS]) / 1e9, int(self._header[H_HOLDS]))
 
     def lock_holder(self) -> int | None:
         """The pid holding the node lock now (from ``/proc/locks``), or None."""
         return self._lock.holder()
-
-    def _commit(self, op: int, pid: int, ids: SlotIds, full_after: int = -1, empty_after: int = -1) -> None:
-        """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
-        of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""
-        n = len(ids)
-        if n == 0:
-            return
-        self._jids[:n] = ids
-        header = self._header
-        header[3] = op  # two scalar stores: a slice store from a tuple converts it to an array first
-        header[4] = pid
-        if op == _COMMIT:  # counters are journaled as their new value, so a roll-forward sets them again
-            header[_JCOUNT] = header[_WRITTEN] + n
-        elif op == _ACQUIRE:  # so is the version clock, moved past a fresh version for each slot reserved
-            header[_JCOUNT] = header[_CLOCK] + n
-        elif op in (_RELEASE_KEEP, _RELEASE_EVICT):
-            header[_JCOUNT] = header[_READ] + n
-        header[_JFULL] = header[_FULL] if full_after < 0 else full_after
-        header[_JEMPTY] = header[_EMPTY] if empty_after < 0 else empty_after
-        header[2] = n  # the commit point: from here on the op happens, even if we die
-        self._apply(op, pid, ids)
-        header[2] = 0
-
-    def _roll_forward(self) -> None:
-        n, op, pid = (int(x) for x in self._header[2:5])
-        self._apply(op, pid, self._jids[:n].astype(np.intp))
-        self._header[2] = 0
-
-    def _apply(self, op: int, pid: int, ids: SlotIds) -> None:
-        # A roll-forward finds every journaled slot either as the op found it or as the op left it (nothing else
-        # runs between a death and the next lock holder's roll-forward): ops whose ids were all in one state when
-        # journaled set their target state outright; the others move only slots still in a source state.
-        state = self.state
-        if op in (_ACQUIRE, _DRAW):
-            self.holder[ids] = pid
-            state[ids] = WRITING if op == _ACQUIRE else READING
-            if op == _ACQUIRE:
-                self._header[_CLOCK] = self._header[_JCOUNT]
-        elif op == _COMMIT:  # every id was writing under pid, and carries the version its writer stamped
-            state[ids] = FULL
-            self._header[_WRITTEN] = self._header[_JCOUNT]
-        elif op == _RELEASE_EVICT:  # every id was reading (or reading-then-evict) under pid
-            state[ids] = EMPTY
-            self._header[_READ] = self._header[_JCOUNT]
-        elif op == _GIVE_BACK:  # every id was writing under pid (reserved, not written)
-            state[ids] = EMPTY
-        else:
-            old = state.take(ids)
-            if op == _RELEASE_KEEP:
-                state[ids.compress(old == READING)] = FULL
-                state[ids.compress(old == READING_EVICT)] = EMPTY
-                self._header[_READ] = self._header[_JCOUNT]
-            elif op == _EVICT:
-                state[ids.compress(old == FULL)] = EMPTY
-                state[ids.compress(old == READING)] = READING_EVICT
-            elif op == _REPAIR:
-                state[ids.compress((old == WRITING) | (old == READING_EVICT))] = EMPTY
-                state[ids.compress(old == READING)] = FULL
-            else:
-                raise AssertionError(f"unknown slot table op {op} in the journal")
-        self._header[_FULL] = self._header[_JFULL]
-        self._header[_EMPTY] = self._header[_JEMPTY]
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
         given: SlotIds = np.asarray(ids, dtype=np.intp)
@@ -295,9 +233,9 @@ class SlotTable:
         """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
         self._acquire()
         try:
-            ids = self._picker.first_empty(self.state, int(self._header[_EMPTY]), n)
-            self._commit(_ACQUIRE, pid, ids, -1, int(self._header[_EMPTY]) - len(ids))
-            clock = int(self._header[_CLOCK])
+            ids = self._picker.first_empty(self.state, int(self._header[H_EMPTY]), n)
+            self._journal.commit(OP_ACQUIRE, pid, ids, -1, int(self._header[H_EMPTY]) - len(ids))
+            clock = int(self._header[H_CLOCK])
         finally:
             self._release()
         self._stamp_versions(ids, clock)
@@ -321,11 +259,11 @@ class SlotTable:
         self._acquire()
         try:
             committed = self._commit_written(pid, ids)
-            empty = int(self._header[_EMPTY])
-            room = int(self._header[_FULL]) + empty - n >= min_full
+            empty = int(self._header[H_EMPTY])
+            room = int(self._header[H_FULL]) + empty - n >= min_full
             fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
-            self._commit(_ACQUIRE, pid, fresh, -1, empty - len(fresh))
-            clock = int(self._header[_CLOCK])
+            self._journal.commit(OP_ACQUIRE, pid, fresh, -1, empty - len(fresh))
+            clock = int(self._header[H_CLOCK])
         finally:
             self._release()
         self._stamp_versions(fresh, clock)
@@ -341,7 +279,7 @@ class SlotTable:
 
     def _commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
         mine = self._held(pid, ids, (WRITING,))
-        self._commit(_COMMIT, pid, mine, int(self._header[_FULL]) + len(mine))
+        self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine))
         return len(mine)
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
@@ -349,7 +287,7 @@ class SlotTable:
         self._acquire()
         try:
             mine = self._held(pid, ids, (WRITING,))
-            self._commit(_GIVE_BACK, pid, mine, -1, int(self._header[_EMPTY]) + len(mine))
+            self._journal.commit(OP_GIVE_BACK, pid, mine, -1, int(self._header[H_EMPTY]) + len(mine))
         finally:
             self._release()
         return len(mine)
@@ -358,7 +296,7 @@ class SlotTable:
     def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
         """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
         than ``max(n, min_full)`` slots are full."""
-        candidates = self._picker.candidates(n, int(self._header[_FULL]))
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]))
         self._acquire()
         try:
             ids = self._draw(pid, n, min_full, candidates)
@@ -367,11 +305,11 @@ class SlotTable:
         return ids, self._versions_of_drawn(ids)
 
     def _draw(self, pid: int, n: int, min_full: int, candidates: SlotIds) -> SlotIds:
-        full = int(self._header[_FULL])
+        full = int(self._header[H_FULL])
         if n <= 0 or full < max(n, min_full):
             return NO_IDS
         ids = self._picker.sample_full(self.state, n, full, candidates)
-        self._commit(_DRAW, pid, ids, full - n)
+        self._journal.commit(OP_DRAW, pid, ids, full - n)
         return ids
 
     def _versions_of_drawn(self, ids: SlotIds) -> Versions:
@@ -394,7 +332,7 @@ class SlotTable:
     ) -> tuple[int, SlotIds, Versions]:
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
-        candidates = self._picker.candidates(n, int(self._header[_FULL]))
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]))
         self._acquire()
         try:
             released = self._release_read(pid, ids, evict)
@@ -405,12 +343,12 @@ class SlotTable:
 
     def _release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         mine = self._held(pid, ids, (READING, READING_EVICT))
-        empty = int(self._header[_EMPTY])
+        empty = int(self._header[H_EMPTY])
         if evict:
-            self._commit(_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
+            self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
         else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
-            self._commit(_RELEASE_KEEP, pid, mine, int(self._header[_FULL]) + back, empty + len(mine) - back)
+            self._journal.commit(OP_RELEASE_KEEP, pid, mine, int(self._header[H_FULL]) + back, empty + len(mine) - back)
         return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
@@ -427,7 +365,7 @@ class SlotTable:
             chosen = np.unique(ids[ok])
             gone = int(np.count_nonzero(self.state[chosen] == FULL))
             header = self._header
-            self._commit(_EVICT, 0, chosen, int(header[_FULL]) - gone, int(header[_EMPTY]) + gone)
+            self._journal.commit(OP_EVICT, 0, chosen, int(header[H_FULL]) - gone, int(header[H_EMPTY]) + gone)
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
@@ -442,7 +380,7 @@ class SlotTable:
             ids = held[np.isin(holders, gone)]
             back = int(np.count_nonzero(self.state[ids] == READING))
             header = self._header  # writing and reading-then-evict slots become empty, reading ones full
-            self._commit(_REPAIR, 0, ids, int(header[_FULL]) + back, int(header[_EMPTY]) + len(ids) - back)
+            self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
         return len(ids)
 
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
@@ -450,7 +388,7 @@ class SlotTable:
         (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
         aligned word that was true at some moment; together they may straddle one transition."""
         header = self._header
-        written, read, full, empty = (int(header[i]) for i in (_WRITTEN, _READ, _FULL, _EMPTY))
+        written, read, full, empty = (int(header[i]) for i in (H_WRITTEN, H_READ, H_FULL, H_EMPTY))
         return written, read, ShuffleBufferStats(full, empty, self.slots - full - empty)
 
     def stats(self, wait_s: float | None = None) -> ShuffleBufferStats:
@@ -477,5 +415,6 @@ class SlotTable:
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
         self._header = self.version = np.empty(0, dtype=np.int64)
-        self.holder = self._jids = np.empty(0, dtype=np.int32)
+        self.holder = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
+        self._journal = Journal(self._header, self.holder, self.state, self.holder)

@@ -284,16 +284,16 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
         me = os.getpid()
         got, _ = table.draw_full(me, 6)
         with table._locked():
-            from gigashuffle import slottable
+            from gigashuffle import slotjournal
 
-            table._header[3:5] = (slottable._RELEASE_EVICT, me)
-            table._header[slottable._JFULL] = 4  # an evicting release leaves the 4 full slots as they are
-            table._header[slottable._JEMPTY] = 6  # and empties the 6 it held
-            table._jids[: len(got)] = got
+            table._header[3:5] = (slotjournal.OP_RELEASE_EVICT, me)
+            table._header[slotjournal.H_JFULL] = 4  # an evicting release leaves the 4 full slots as they are
+            table._header[slotjournal.H_JEMPTY] = 6  # and empties the 6 it held
+            table._journal.ids[: len(got)] = got
             if applied != "none":
                 table._header[2] = len(got)  # the commit point
                 part = got[:3] if applied == "half" else got
-                table._apply(slottable._RELEASE_EVICT, me, part)
+                table._journal.apply(slotjournal.OP_RELEASE_EVICT, me, part)
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -315,18 +315,18 @@ def test_kill_inside_a_commit_rolls_forward_keeping_the_versions_stamped_at_acqu
     table = SlotTable(8, seed=11)
 
     def die_in_commit() -> int:
-        from gigashuffle import slottable
+        from gigashuffle import slotjournal
 
         me = os.getpid()
         ids = table.acquire_empty(me, 8)  # allots versions 1..8, stamped on the slots after the lock is released
         with table._locked():
-            table._jids[:8] = ids
-            table._header[3:5] = (slottable._COMMIT, me)
-            table._header[slottable._JCOUNT] = 8  # rows written once the commit is applied
-            table._header[slottable._JFULL] = 8  # and full slots
-            table._header[slottable._JEMPTY] = 0  # none empty, as the acquire left it
+            table._journal.ids[:8] = ids
+            table._header[3:5] = (slotjournal.OP_COMMIT, me)
+            table._header[slotjournal.H_JCOUNT] = 8  # rows written once the commit is applied
+            table._header[slotjournal.H_JFULL] = 8  # and full slots
+            table._header[slotjournal.H_JEMPTY] = 0  # none empty, as the acquire left it
             table._header[2] = 8
-            table._apply(slottable._COMMIT, me, ids[:5])  # which sets it; the roll-forward again
+            table._journal.apply(slotjournal.OP_COMMIT, me, ids[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -348,18 +348,18 @@ def test_kill_inside_an_acquire_moves_the_version_clock_once() -> None:
     table = SlotTable(8, seed=12)
 
     def die_in_acquire() -> int:
-        from gigashuffle import slottable
+        from gigashuffle import slotjournal
 
         me = os.getpid()
         ids = np.arange(4, dtype=np.intp)
         with table._locked():
-            table._jids[:4] = ids
-            table._header[3:5] = (slottable._ACQUIRE, me)
-            table._header[slottable._JCOUNT] = 4  # the clock once versions 1..4 are allotted
-            table._header[slottable._JFULL] = 0
-            table._header[slottable._JEMPTY] = 4
+            table._journal.ids[:4] = ids
+            table._header[3:5] = (slotjournal.OP_ACQUIRE, me)
+            table._header[slotjournal.H_JCOUNT] = 4  # the clock once versions 1..4 are allotted
+            table._header[slotjournal.H_JFULL] = 0
+            table._header[slotjournal.H_JEMPTY] = 4
             table._header[2] = 4  # the commit point
-            table._apply(slottable._ACQUIRE, me, ids[:2])  # sets the clock; the roll-forward sets it again
+            table._journal.apply(slotjournal.OP_ACQUIRE, me, ids[:2])  # sets the clock; the roll-forward sets it again
             os.kill(me, signal.SIGKILL)
         return 1
 
