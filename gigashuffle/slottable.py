@@ -43,16 +43,18 @@ window. So whatever does not need the table's state is done outside the lock:
   sized from the count of full slots read without the lock); under it only their states are checked, and more
   are drawn if they fall short (the table changed meanwhile);
 - a drawn slot's version is read after the lock is released (``_versions_of_drawn``);
+- a process checks that it still holds the slots it commits or releases before it takes the lock (``_held``:
+  while it lives, nobody else moves them out of writing or reading);
 - an acquire only moves the version clock (journaled); the writer stamps the new versions on its reserved slots
   after the release (``_stamp_versions``), so a commit just marks its slots full.
-On the 2-core VM, in three alternating runs each of ``python -m gigashuffle.bench.runner --workload W --seconds 3
---no-baselines`` (docs/benchmarks.md, "Work moved out of the node lock"), moving the candidates and the
-versions out took the lock's busy share with 1 writer + 1 reader from 41-43% to 32-33% on tiny rows (mean hold
-93-111 -> 70-77 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and
-from 20-22% to 16% on token rows (50-60 -> 37-47 us); rows/s, CPU per row and the displacement ratio stayed
-within run-to-run noise. Image rows keep it 6-7% busy. So the bound is about 3x the 1 + 1 rate for tiny rows
-and 6x for token rows (it was 2.3x and 5x); more writers and readers add a little (48-52% with 2 + 2 or two
-ranks, before this change).
+On the 2-core VM, in alternating runs of ``python -m gigashuffle.bench.runner --workload W --seconds 3
+--no-baselines`` (docs/benchmarks.md, "Work moved out of the node lock" and "The holder check before the lock"),
+these took the lock's busy share with 1 writer + 1 reader from 41-43% to 23-26% on tiny rows (mean hold 93-111 ->
+45-62 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and from 20-22% to
+9.5-10% on token rows (50-60 -> 17-22 us); rows/s, CPU per row and the displacement ratio stayed within
+run-to-run noise. Image rows keep it about 5% busy. So the bound is about 4x the 1 + 1 rate for tiny rows and
+10x for token rows (it was 2.3x and 5x); more writers and readers add a little (31-33% -> 37-39% with 2 + 2 or
+two ranks, measured between the two steps).
 """
 
 from __future__ import annotations
@@ -209,6 +211,11 @@ class SlotTable:
         return self._lock.holder()
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
+        """The slots of ``ids`` that ``pid`` holds in one of ``states``. Called before the lock is taken, by
+        ``pid`` itself about its own slots: while it lives no other process moves them out of those states (evict
+        marks a reading slot reading-then-evict, both accepted; repair takes a holder's slots only once it is
+        dead), so the answer is the one the lock would give, without costing the node's lock time
+        (NOTE [ Node lock budget ])."""
         given: SlotIds = np.asarray(ids, dtype=np.intp)
         if given.ndim != 1:
             given = given.reshape(-1)
@@ -242,12 +249,14 @@ class SlotTable:
         return ids
 
     def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
-        """Publish slots ``pid`` wrote (each gets a new version); returns how many it still held."""
+        """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held."""
+        mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
-            return self._commit_written(pid, ids)
+            self._commit_written(pid, mine)
         finally:
             self._release()
+        return len(mine)
 
     def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0) -> tuple[int, SlotIds]:
         """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty and the slots
@@ -256,9 +265,10 @@ class SlotTable:
         small pieces, each a copy and a transition of its own. ``min_full``: a reservation held while the dataset
         waits must not keep the buffer from reaching the readers' threshold (with fill_once, every slot).
         Returns how many slots it still held, and the new ones."""
+        mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
-            committed = self._commit_written(pid, ids)
+            self._commit_written(pid, mine)
             empty = int(self._header[H_EMPTY])
             room = int(self._header[H_FULL]) + empty - n >= min_full
             fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
@@ -267,7 +277,7 @@ class SlotTable:
         finally:
             self._release()
         self._stamp_versions(fresh, clock)
-        return committed, fresh
+        return len(mine), fresh
 
     def _stamp_versions(self, ids: SlotIds, clock: int) -> None:
         # The acquire moved the version clock to ``clock`` past len(ids) values of its own (journaled); the writer
@@ -277,16 +287,14 @@ class SlotTable:
         if len(ids):
             self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
 
-    def _commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
-        mine = self._held(pid, ids, (WRITING,))
+    def _commit_written(self, pid: int, mine: SlotIds) -> None:
         self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine))
-        return len(mine)
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
         """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
+        mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
-            mine = self._held(pid, ids, (WRITING,))
             self._journal.commit(OP_GIVE_BACK, pid, mine, -1, int(self._header[H_EMPTY]) + len(mine))
         finally:
             self._release()
@@ -321,35 +329,36 @@ class SlotTable:
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
+        mine = self._held(pid, ids, (READING, READING_EVICT))
         self._acquire()
         try:
-            return self._release_read(pid, ids, evict)
+            self._release_read(pid, mine, evict)
         finally:
             self._release()
+        return len(mine)
 
     def release_and_draw(
         self, pid: int, ids: npt.ArrayLike, evict: bool, n: int, min_full: int = 0
     ) -> tuple[int, SlotIds, Versions]:
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
+        mine = self._held(pid, ids, (READING, READING_EVICT))
         candidates = self._picker.candidates(n, int(self._header[H_FULL]))
         self._acquire()
         try:
-            released = self._release_read(pid, ids, evict)
+            self._release_read(pid, mine, evict)
             drawn = self._draw(pid, n, min_full, candidates)
         finally:
             self._release()
-        return released, drawn, self._versions_of_drawn(drawn)
+        return len(mine), drawn, self._versions_of_drawn(drawn)
 
-    def _release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
-        mine = self._held(pid, ids, (READING, READING_EVICT))
+    def _release_read(self, pid: int, mine: SlotIds, evict: bool) -> None:
         empty = int(self._header[H_EMPTY])
         if evict:
             self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
         else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
             self._journal.commit(OP_RELEASE_KEEP, pid, mine, int(self._header[H_FULL]) + back, empty + len(mine) - back)
-        return len(mine)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
         """Full slots become empty; slots being read become empty when released. A slot whose version is not the
