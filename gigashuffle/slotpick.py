@@ -72,12 +72,13 @@ class SlotPicker:
         self._cursor = int(ids[-1]) + 1
         return ids
 
-    def candidates(self, n: int, full: int) -> SlotIds:
+    def candidates(self, n: int, full: int, min_full: int = 0) -> SlotIds:
         """Distinct uniformly random slot ids in random order, as many as hold ``n`` of ``full`` full slots on
-        average; none where ``sample_full`` would list the full slots instead. Drawn before the node lock is taken
+        average; none where the draw would take nothing (fewer than ``max(n, min_full)`` full: a reader polling a
+        buffer that is still filling) or would list the full slots instead. Drawn before the node lock is taken
         (NOTE [ Node lock budget ] in slottable.py): ``full`` is the header's count read without it, and
         ``sample_full`` checks the candidates' states under it, drawing more if they fall short."""
-        if n <= 0 or full < max(n, _SCAN_BELOW * self.slots):
+        if n <= 0 or full < max(n, min_full, _SCAN_BELOW * self.slots):
             return NO_IDS
         return self._distinct(self._uniform_ids(self._draws_for(n, full, full)))
 

@@ -304,7 +304,7 @@ class SlotTable:
     def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
         """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
         than ``max(n, min_full)`` slots are full."""
-        candidates = self._picker.candidates(n, int(self._header[H_FULL]))
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
         self._acquire()
         try:
             ids = self._draw(pid, n, min_full, candidates)
@@ -343,7 +343,7 @@ class SlotTable:
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
         mine = self._held(pid, ids, (READING, READING_EVICT))
-        candidates = self._picker.candidates(n, int(self._header[H_FULL]))
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
         self._acquire()
         try:
             self._release_read(pid, mine, evict)

@@ -207,6 +207,8 @@ def test_candidates_drawn_before_the_lock_stay_uniform_when_the_table_changed_me
     dof = len(full) - 1
     assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2
     assert len(picker.candidates(n, slots // 8)) == 0  # so few full that the draw lists them instead
+    assert len(picker.candidates(n, slots // 2, min_full=slots // 2 + 1)) == 0  # too few to draw at all: a poll
+    assert len(picker.candidates(n, slots // 2, min_full=slots // 2)) > n
 
 
 def test_attach_maps_the_same_table() -> None:
