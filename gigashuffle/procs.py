@@ -133,10 +133,12 @@ class Zygote:
             ) from None
         return found
 
-    def close(self) -> None:
-        """Kill every child and the zygote; safe to call twice."""
+    def close(self) -> bool:
+        """Kill every child and the zygote; safe to call twice. True when the zygote exited on its own, which it
+        does only after reaping every child: then none of them runs another instruction. False when it was gone
+        already or had to be killed: its children die of PR_SET_PDEATHSIG, but some may still be running."""
         if self._proc.returncode is not None:
-            return
+            return False
         self.channel.close()
         try:
             self._proc.wait(_ZYGOTE_EXIT_TIMEOUT_S)
@@ -144,3 +146,5 @@ class Zygote:
             log.warning("gigashuffle zygote %d did not exit; killing it", self.pid)
             self._proc.kill()
             self._proc.wait()
+            return False
+        return True

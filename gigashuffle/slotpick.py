@@ -18,6 +18,7 @@ States = npt.NDArray[np.uint8]
 EMPTY, WRITING, FULL, READING, READING_EVICT = 0, 1, 2, 3, 4
 NO_IDS: SlotIds = np.empty(0, dtype=np.intp)
 _SCAN_BELOW = 0.25  # below this fraction of full slots, draw from the list of full slots instead of rejecting
+_MAX_ROUNDS = 16  # rejection rounds before a draw lists the full slots instead (one is the rule; see sample_full)
 
 
 class SlotPicker:
@@ -97,9 +98,7 @@ class SlotPicker:
         """``n`` uniformly random slots of the ``full`` full ones (``full >= n``), taken first from ``candidates``
         (from ``candidates()``)."""
         if full < _SCAN_BELOW * self.slots:
-            candidates = np.flatnonzero(state == FULL)
-            chosen: SlotIds = self._rng.choice(candidates, n, replace=False)
-            return chosen
+            return self._listed_full(state, n, full)
         # Rejection sampling: draw slot ids uniformly, keep the full ones, drop repeats, take the first n. The
         # survivors of repeats form a uniform random sequence (``_distinct``), so the first n full ones are a
         # uniform random subset of the full slots. Each round draws for the hits that are expected to hold as many
@@ -108,11 +107,26 @@ class SlotPicker:
         # slots at 1/2 full, and each round re-checks the ones taken. The first round is usually ``candidates``,
         # drawn and freed of repeats before the lock was taken: only the check of their states is left here.
         taken = candidates.compress(state.take(candidates) == FULL)[:n] if len(candidates) else NO_IDS
+        rounds = 0
         while len(taken) < n:
+            rounds += 1
+            if rounds > _MAX_ROUNDS:  # one round is the rule: a count of full slots that is wrong must not spin
+                return self._listed_full(state, n, full)
             tries = self._uniform_ids(self._draws_for(n - len(taken), full - len(taken), full))
             hits = tries.compress(state.take(tries) == FULL)
             taken = self._distinct(np.concatenate([taken, hits]) if len(taken) else hits)[:n]
         return taken
+
+    def _listed_full(self, state: States, n: int, full: int) -> SlotIds:
+        """``n`` of the slots listed full by a pass over ``state``; an error naming the counts if fewer are."""
+        listed = np.flatnonzero(state == FULL)
+        if len(listed) < n:
+            raise AssertionError(
+                f"the slot table counts {full} full slots but {len(listed)} are full, fewer than the {n} drawn: "
+                "its header no longer matches its states (a transition ran on slots it did not hold)"
+            )
+        chosen: SlotIds = self._rng.choice(listed, n, replace=False)
+        return chosen
 
     def _draws_for(self, wanted: int, untaken: int, full: int) -> int:
         """Random slot ids to draw for ``wanted`` more distinct full slots of the ``untaken`` full ones not taken

@@ -214,8 +214,9 @@ class SlotTable:
         """The slots of ``ids`` that ``pid`` holds in one of ``states``. Called before the lock is taken, by
         ``pid`` itself about its own slots: while it lives no other process moves them out of those states (evict
         marks a reading slot reading-then-evict, both accepted; repair takes a holder's slots only once it is
-        dead), so the answer is the one the lock would give, without costing the node's lock time
-        (NOTE [ Node lock budget ])."""
+        dead: a pid it is given is one the zygote reaped), so the answer is the one the lock would give, without
+        costing the node's lock time (NOTE [ Node lock budget ]). Should a count drift all the same, a draw
+        raises instead of spinning (``SlotPicker._listed_full``)."""
         given: SlotIds = np.asarray(ids, dtype=np.intp)
         if given.ndim != 1:
             given = given.reshape(-1)

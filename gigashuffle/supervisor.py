@@ -304,16 +304,18 @@ class Supervisor:
         except GigashuffleError as exc:
             log.warning("%s", exc)
 
-    def _stop_children(self) -> None:
-        """Kill every child (through the zygote) and forget them; batches already announced stay deliverable."""
+    def _stop_children(self) -> bool:
+        """Kill every child (through the zygote) and forget them; batches already announced stay deliverable.
+        True when every child is known dead (reaped by the zygote)."""
         self._learn_pids()
-        self.zygote.close()
+        reaped = self.zygote.close()
         for child in self.children:
             if child.pid is not None:
                 remove_socket(attach_socket_path(child.pid, self.runtime_path))
             if child.alive:
                 child.exitcode = -9
                 child.channel.close()
+        return reaped
 
     def _restart_budget(self, child: ChildProcess) -> int:
         # A fill_once reader dies mid-pass with state the trainer cannot replay; fail instead of restarting it.
@@ -384,15 +386,19 @@ class Supervisor:
             return
         self.closed = True
         live = [c for c in self.children if c.alive]
-        self._stop_children()
+        reaped = self._stop_children()
         for child in self.children:
             child.ring = None
         self.ready.clear()
         self.dropped.clear()
         table = self.node_table.mapped
         if table is not None:  # other ranks' children go on: give them what ours held
+            # Naming a pid tells repair its process runs no more: a child still dying could commit or release
+            # slots just repaired (its check of what it holds precedes the lock: NOTE [ Node lock budget ]). So
+            # children the zygote did not reap are left to the liveness check (theirs, or later housekeeping's).
+            dead = [c.pid for c in live if c.pid is not None] if reaped else []
             try:
-                table.repair(dead=[c.pid for c in live if c.pid is not None], wait_s=_REPAIR_WAIT_S)
+                table.repair(dead=dead, wait_s=_REPAIR_WAIT_S)
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self.node_table.close()

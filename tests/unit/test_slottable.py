@@ -211,6 +211,22 @@ def test_candidates_drawn_before_the_lock_stay_uniform_when_the_table_changed_me
     assert len(picker.candidates(n, slots // 2, min_full=slots // 2)) > n
 
 
+@pytest.mark.parametrize("claimed", [200, 900])  # the scan path (under a quarter full) and the rejection path
+def test_a_draw_with_a_drifted_count_of_full_slots_raises_instead_of_spinning(claimed: int) -> None:
+    """The header's count of full slots sizes every draw. Were it ever above the slots really full (a transition
+    on slots its process did not hold), rejection sampling could never find n of them: the draw must end with an
+    error naming the counts, which kills the reader and reaches the trainer as WorkerDied, never a hang."""
+    slots, n = 1000, 64
+    picker = SlotPicker(slots, seed=11)
+    state = np.full(slots, EMPTY, dtype=np.uint8)
+    state[:40] = FULL  # fewer than the 64 asked for
+    with pytest.raises(AssertionError, match=rf"counts {claimed} full slots but 40 are full, fewer than the 64"):
+        picker.sample_full(state, n, claimed, picker.candidates(n, claimed))
+    state[:100] = FULL  # enough, though far fewer than counted: still a uniform draw of the full ones
+    got = picker.sample_full(state, n, claimed, picker.candidates(n, claimed))
+    assert len(np.unique(got)) == n and (state[got] == FULL).all()
+
+
 def test_attach_maps_the_same_table() -> None:
     table = SlotTable(8, seed=7)
     ids = _fill(table, 1, 3)
