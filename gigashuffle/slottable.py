@@ -53,8 +53,8 @@ these took the lock's busy share with 1 writer + 1 reader from 41-43% to 23-26% 
 45-62 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and from 20-22% to
 9.5-10% on token rows (50-60 -> 17-22 us); rows/s, CPU per row and the displacement ratio stayed within
 run-to-run noise. Image rows keep it about 5% busy. So the bound is about 4x the 1 + 1 rate for tiny rows and
-10x for token rows (it was 2.3x and 5x); more writers and readers add a little (31-33% -> 37-39% with 2 + 2 or
-two ranks, measured between the two steps).
+10x for token rows (it was 2.3x and 5x); more writers and readers add a little (tiny rows 19-26% -> 29-32% with
+2 + 2 or two ranks, which there ran 0.98-1.21x and 0.79-1.52x as fast as 1 + 1 on two cores).
 """
 
 from __future__ import annotations
