@@ -52,10 +52,6 @@ class Journal:
     ) -> None:
         self.header, self.ids, self.state, self.holder = header, ids, state, holder
 
-    def pending(self) -> bool:
-        """Whether the last holder died between an op's commit point and its end."""
-        return bool(self.header[H_LENGTH])
-
     def commit(self, op: int, pid: int, ids: SlotIds, full_after: int = -1, empty_after: int = -1) -> None:
         """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
         of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""

@@ -427,4 +427,4 @@ class SlotTable:
         self._header = self.version = np.empty(0, dtype=np.int64)
         self.holder = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
-        self._journal = Journal(self._header, self.holder, self.state, self.holder)
+        self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)
