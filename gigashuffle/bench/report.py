@@ -158,6 +158,30 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
     return sections
 
 
+def _shaped_floor_table(results: Sequence[Result]) -> str:
+    rows = []
+    for res in results:
+        floor = res.get("shaped_floor")
+        if not floor:
+            continue
+        per_row = floor["cpu_us_per_row"]
+        rows.append(
+            [
+                res["workload"],
+                f"{floor['writers']}w+{floor['readers']}r x{floor['ranks']}",
+                _num(floor["samples_per_s"]),
+                *(_num(per_row.get(role), 2) for role in ("writer", "reader", "trainer", "all")),
+                _times(res.get("loader_vs_shaped_floor")),
+            ]
+        )
+    title = (
+        "copy floor in the loader's shape (its writers, readers and trainers copying and handing off batches; no "
+        "slot table, lock or Redis): what this machine gives that many processes at all\n"
+    )
+    headers = ["workload", "shape", "samples/s", "writer", "reader", "trainer", "all", "loader/shaped"]
+    return title + _table(headers, rows)
+
+
 def _quality_table(results: Sequence[Result]) -> str:
     rows = []
     for res in results:
@@ -215,6 +239,8 @@ def format_table(results: Sequence[Result] | Result) -> str:
         f"torch threads {first['torch_threads']}, DataLoader {DATALOADER_WORKERS} workers"
     )
     sections = [header, _throughput_table(results), *_loader_tables(results)]
+    if any("shaped_floor" in res for res in results):
+        sections.append(_shaped_floor_table(results))
     if any(res.get(key, {}).get("quality") for res in results for key, _ in _IMPLS):
         sections.append(_quality_table(results))
     return "\n\n".join(sections) + "\n"

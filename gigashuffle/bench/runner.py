@@ -28,6 +28,7 @@ from .baselines import DATALOADER_WORKERS, copy_floor, dataloader_baseline, time
 from .cpu import loader_meter, own_meter
 from .ranks import MIN_MIXING, READY_TIMEOUT_S, WARMUP_CAP_S, OtherRanks, mixing_threshold, rank_config, warm_up
 from .report import Result, format_table, ratio
+from .shapedfloor import Shape, shaped_floor
 from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 if TYPE_CHECKING:
@@ -216,8 +217,12 @@ def run_workload(
     writers: int = 1,
     readers: int = 1,
     ranks: int = 1,
+    shaped: bool | None = None,
 ) -> Result:
-    """Measure one workload: ``seconds`` of timed batches for each implementation, one after the other."""
+    """Measure one workload: ``seconds`` of timed batches for each implementation, one after the other.
+
+    ``shaped``: also run the copy floor in the loader's shape (:mod:`.shapedfloor`), right after the loader;
+    None runs it with the baselines."""
     workload = get_workload(name)
     result: Result = {
         "workload": name,
@@ -238,6 +243,12 @@ def run_workload(
     if loader:
         result["loader"] = measure_loader(workload, seconds, redis_url, writers, readers, ranks)
         gc.collect()
+    if baselines if shaped is None else shaped:
+        floor_run = shaped_floor(workload, seconds, Shape(writers, readers, ranks))
+        result["shaped_floor"] = floor_run.to_dict()
+        log.info("%s: copy floor in the loader's shape %.0f samples/s", name, floor_run.samples_per_s)
+        if loader:
+            result["loader_vs_shaped_floor"] = ratio(result["loader"]["samples_per_s"], floor_run.samples_per_s)
     if loader and baselines:
         rate = result["loader"]["samples_per_s"]
         result["loader_vs_floor"] = ratio(rate, result["copy_floor"]["samples_per_s"])
@@ -305,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="trainer ranks of one node sharing one buffer, each its own process (default 1)",
     )
+    parser.add_argument(
+        "--shaped-floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the copy floor with the loader's processes (default: with the baselines)",
+    )
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: embedded private server)")
     parser.add_argument("--log-level", default="INFO", help="logging level for progress on stderr")
     return parser
@@ -324,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             writers=args.writers,
             readers=args.readers,
             ranks=args.ranks,
+            shaped=args.shaped_floor,
         )
         for name in names
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from gigashuffle.bench.baselines import (
     timed_batches,
 )
 from gigashuffle.bench.cpu import CpuMeter
+from gigashuffle.bench.shapedfloor import Shape, ring_depth, shaped_floor, writers_lead
 from gigashuffle.bench.workloads import (
     ID_FIELD,
     WORKLOADS,
@@ -159,6 +161,23 @@ def test_dataloader_baseline_with_two_workers() -> None:
     assert q.distinct_writers_per_batch == 1.0
 
 
+def test_shaped_floor_runs_the_loaders_processes() -> None:
+    children_before = {p.pid for p in psutil.Process().children()}
+    run = shaped_floor(SMALL, seconds=0.3, shape=Shape(writers=2, readers=1, ranks=2))
+    assert {p.pid for p in psutil.Process().children()} == children_before, "every floor process was reaped"
+    delivered, read, written = run.rows, run.rows_by_role["reader"], run.rows_by_role["writer"]
+    assert delivered > 0 and delivered % SMALL.bs == 0
+    # A reader's batches still in its ring at the deadline were read but not delivered: at most a ring per reader.
+    assert delivered <= read <= delivered + 2 * ring_depth(SMALL) * SMALL.bs
+    # Writers write one row per row read, ahead by the buffer's free share and the chunks in flight at most.
+    assert 0 < written <= read + writers_lead(SMALL) + 4 * SMALL.chunk_rows
+    assert all(spent > 0 for spent in run.cpu_s.values()), run.cpu_s
+    out = run.to_dict()
+    assert (out["writers"], out["readers"], out["ranks"]) == (2, 1, 2)
+    assert out["samples_per_s"] == pytest.approx(delivered / 0.3)
+    assert out["cpu_us_per_row"]["all"] == pytest.approx(1e6 * sum(run.cpu_s.values()) / delivered)
+
+
 def test_timed_batches_always_times_one_batch() -> None:
     rate = timed_batches(lambda: 3, seconds=0.0, row_bytes=10)
     assert rate.batches == 1 and rate.samples == 3
@@ -207,6 +226,11 @@ def _fake_result() -> runner.Result:
         "dataloader": {**rate, "quality": qual},
         "loader_vs_floor": 1.0,
         "loader_vs_dataloader": 1.0,
+        "shaped_floor": {
+            **{"writers": 2, "readers": 2, "ranks": 1, "samples": 20, "seconds": 1.0, "samples_per_s": 20.0},
+            "cpu_us_per_row": {"writer": 0.5, "reader": 0.75, "trainer": 0.25, "all": 1.5},
+        },
+        "loader_vs_shaped_floor": 0.5,
     }
 
 
@@ -228,6 +252,8 @@ def test_format_table_has_every_section() -> None:
     assert cpu_row.split()[1:7] == ["1.00", "2.00", "0.50", "0.00", "0.25", "3.75"], cpu_row  # all/floor = 3.75/0.5
     lock_lines = table.split("node lock over the timed window")[1].splitlines()
     assert lock_lines[2].split() == ["small", "37.5", "41.5", "0.75"], lock_lines
+    shaped_lines = table.split("copy floor in the loader's shape")[1].splitlines()
+    assert shaped_lines[2].split() == ["small", "2w+2r", "x1", "20", "0.50", "0.75", "0.25", "1.50", "0.50x"]
 
 
 def test_format_table_shows_each_rank() -> None:
@@ -254,6 +280,8 @@ def test_main_json_without_the_loader(capsys: pytest.CaptureFixture[str]) -> Non
     (result,) = json.loads(capsys.readouterr().out)
     assert result["workload"] == "tiny" and "loader" not in result
     assert result["copy_floor"]["samples_per_s"] > 0 and result["dataloader"]["samples_per_s"] > 0
+    assert result["shaped_floor"]["samples_per_s"] > 0, "the shaped floor runs with the baselines"
+    assert "loader_vs_shaped_floor" not in result
 
 
 def test_stamps_place_bursty_writers_exactly() -> None:
