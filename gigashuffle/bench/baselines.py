@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .stamps import ChunkStamps
 from .workloads import ID_FIELD, Chunk, RepeatingChunkDataset, Workload
 
 log = logging.getLogger(__name__)
@@ -200,10 +201,14 @@ class WorkerShuffleBuffer(IterableDataset[Batch]):
                 tensor.index_copy_(0, slots[positions], chunk[name][rows])
 
 
-def make_dataloader(workload: Workload, num_workers: int = 2, seed: int = 0) -> DataLoader[Batch]:
-    """The DataLoader baseline: ``num_workers`` persistent workers, ``shuffle_size/num_workers`` rows each."""
+def make_dataloader(
+    workload: Workload, num_workers: int = 2, seed: int = 0, stamps: ChunkStamps | None = None
+) -> DataLoader[Batch]:
+    """The DataLoader baseline: ``num_workers`` persistent workers, ``shuffle_size/num_workers`` rows each;
+    ``stamps``: where the workers note when they pulled each chunk into their buffer."""
     buffer_rows = workload.shuffle_size // max(1, num_workers)
-    dataset = WorkerShuffleBuffer(RepeatingChunkDataset(workload, seed=seed), buffer_rows, workload.bs, seed)
+    source = RepeatingChunkDataset(workload, seed=seed, stamps=stamps)
+    dataset = WorkerShuffleBuffer(source, buffer_rows, workload.bs, seed)
     return DataLoader(dataset, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
 
 
@@ -220,9 +225,10 @@ def dataloader_baseline(
     num_workers: int = 2,
     warmup_batches: int | None = None,
     max_batches: int | None = None,
+    stamps: ChunkStamps | None = None,
 ) -> DataLoaderRun:
     """Time the DataLoader baseline once every worker has filled its buffer and prefetching is primed."""
-    loader = make_dataloader(workload, num_workers)
+    loader = make_dataloader(workload, num_workers, stamps=stamps)
     # Each worker fills its buffer before its first batch; two batches per worker gets past that.
     warmup = 2 * max(1, num_workers) if warmup_batches is None else warmup_batches
     ids: list[np.ndarray] = []

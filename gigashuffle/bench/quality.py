@@ -3,9 +3,9 @@
 Row ids are ``writer_id * 2**WRITER_SHIFT + row counter of that writer`` (see :mod:`.workloads`). The write
 position of a row is its place in the combined write stream; with several writers the interleaving is not
 observed: when the writers stamp their rows with the time, it is reconstructed from the stamps
-(:func:`write_positions_from_stamps`, what ``gigashuffle demo`` does); otherwise it is estimated from each
-writer's share of the rows (:func:`write_positions`). The read position is the row's place in the stream that
-came out.
+(:func:`write_positions_from_stamps`, what ``gigashuffle demo`` and ``gigashuffle bench`` do: see
+:mod:`.stamps`); otherwise it is estimated from each writer's share of the rows (:func:`write_positions`). The
+read position is the row's place in the stream that came out.
 
 Figures (all in rows):
 

@@ -189,10 +189,11 @@ def _quality_table(results: Sequence[Result]) -> str:
             qual = res.get(key, {}).get("quality")
             if not qual:
                 continue
+            estimated = qual.get("write_order") == "estimated"  # from the writers' shares: see bench/stamps.py
             rows.append(
                 [
                     res["workload"],
-                    label,
+                    label + (" (est.)" if estimated else ""),
                     _num(qual["displacement"]),
                     _num(qual["ideal_displacement"]),
                     _num(qual["displacement_ratio"], 3),

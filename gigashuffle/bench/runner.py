@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import quality
 from .baselines import DATALOADER_WORKERS, copy_floor, dataloader_baseline, timed_batches
 from .cpu import loader_meter, own_meter
 from .ranks import MIN_MIXING, READY_TIMEOUT_S, WARMUP_CAP_S, OtherRanks, mixing_threshold, rank_config, warm_up
 from .report import Result, format_table, ratio
 from .shapedfloor import Shape, shaped_floor
+from .stamps import ChunkStamps, measure_quality
 from .workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 if TYPE_CHECKING:
@@ -110,7 +111,10 @@ def measure_loader(
     ids: list[np.ndarray] = []
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        loader = stack.enter_context(MultiprocessShuffledDataloader(RepeatingChunkDataset(workload), cfg))
+        # Write times, for the quality figures of rank 0's stream (the other ranks' writers reuse its writer ids).
+        stamps = ChunkStamps(stack.enter_context(tempfile.TemporaryDirectory(prefix="gs-bench-stamps-")))
+        dataset = RepeatingChunkDataset(workload, stamps=stamps if ranks == 1 else None)
+        loader = stack.enter_context(MultiprocessShuffledDataloader(dataset, cfg))
         loader.get_dummy_batch()
         startup_s = time.perf_counter() - start
         log.info("%s: loader start-up %.2f s (import torch %.2f s)", workload.name, startup_s, import_torch_s)
@@ -158,6 +162,7 @@ def measure_loader(
         for report in other_reports:
             children_pids = {role: pids for role, pids in report.pids.items() if role != "trainer"}
             children += [{"rank": report.rank, **child} for child in child_memory(children_pids)]
+        shuffle = measure_quality(workload, ids, writers, stamps) if ids and ranks == 1 else None
     if ranks > 1:
         # Quality estimates write positions as if every writer had started at once and wrote at the same rate; the
         # writers of later ranks start seconds later, so the figures would be artefacts of the estimate.
@@ -193,7 +198,7 @@ def measure_loader(
         # The mean fraction of the buffer's slots that were full, sampled in the window (None: too few batches).
         "mean_fill": sum(fills) / len(fills) / workload.shuffle_size if fills else None,
         "children": children,
-        "quality": quality.measure(ids, workload.shuffle_size, writers).to_dict() if ids and ranks == 1 else None,
+        "quality": shuffle,
     }
 
 
@@ -270,14 +275,16 @@ def _measure_baselines(workload: Workload, seconds: float) -> Result:
         workload.name, floor["samples_per_s"], floor["one_thread_samples_per_s"],
     )  # fmt: skip
     gc.collect()  # the floor's source tensor can be 600 MB: free it before the DataLoader forks
-    run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS)
-    log.info("%s: DataLoader %.0f samples/s", workload.name, run.rate.samples_per_s)
-    gc.collect()
-    dataloader = {
-        **run.rate.to_dict(),
-        "num_workers": run.num_workers,
-        "quality": quality.measure(run.ids, workload.shuffle_size, run.num_workers).to_dict(),
-    }
+    with tempfile.TemporaryDirectory(prefix="gs-bench-stamps-") as stamps_dir:
+        stamps = ChunkStamps(stamps_dir)
+        run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS, stamps=stamps)
+        log.info("%s: DataLoader %.0f samples/s", workload.name, run.rate.samples_per_s)
+        gc.collect()
+        dataloader = {
+            **run.rate.to_dict(),
+            "num_workers": run.num_workers,
+            "quality": measure_quality(workload, run.ids, run.num_workers, stamps),
+        }
     return {"copy_floor": floor, "dataloader": dataloader}
 
 

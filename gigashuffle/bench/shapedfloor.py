@@ -188,7 +188,7 @@ def _fork(role: str, job: Job, seconds: float, go_r: int, done_w: int) -> int:
         rows = job(time.monotonic() + seconds)
         os.write(done_w, f"{role} {rows} {time.process_time() - start}\n".encode())
         code = 0
-    except BaseException:  # reported here: os._exit below ends the child before the exception could be
+    except BaseException:  # logged here: the os._exit below would end the child before Python printed it
         log.exception("shaped floor: a %s failed", role)
     finally:
         os._exit(code)

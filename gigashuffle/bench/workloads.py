@@ -11,9 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+
+if TYPE_CHECKING:
+    from .stamps import ChunkStamps
 
 ID_FIELD = "id"
 # 2**40 rows per writer is far more than any benchmark writes, and 2**23 writers still fit in an int64.
@@ -124,11 +128,14 @@ class RepeatingChunkDataset(IterableDataset[Chunk]):
     a loader writer does when it copies rows into its buffer. Rewriting ``id`` costs one add per chunk.
     """
 
-    def __init__(self, workload: Workload, max_chunks: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, workload: Workload, max_chunks: int | None = None, seed: int = 0, stamps: ChunkStamps | None = None
+    ) -> None:
         super().__init__()
         self.workload = workload
         self.max_chunks = max_chunks
         self.seed = seed
+        self.stamps = stamps  # where each writer notes when it handed out each chunk (see .stamps)
 
     def __iter__(self) -> Iterator[Chunk]:
         info = get_worker_info()
@@ -137,8 +144,11 @@ class RepeatingChunkDataset(IterableDataset[Chunk]):
         rows = self.workload.chunk_rows
         base = make_ids(writer_id, 0, rows)
         ids = chunk[ID_FIELD]
+        log = self.stamps.writer_log(writer_id) if self.stamps is not None else None
         produced = 0
         while self.max_chunks is None or produced < self.max_chunks:
             torch.add(base, produced * rows, out=ids)
+            if log is not None:
+                log.note(produced)
             yield [chunk]
             produced += 1

@@ -116,6 +116,25 @@ def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     }
 
 
+def test_bench_two_writers_place_rows_by_their_write_times() -> None:
+    """With two writers the interleaving of their rows is read from their chunk times, not estimated; and the copy
+    floor runs in the loader's shape right after it."""
+    done = cli(
+        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--shaped-floor", "--writers", "2",
+        "--readers", "2", "--json", "--log-level", "WARNING", timeout_s=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads(done.stdout)
+    shuffle = result["loader"]["quality"]
+    assert shuffle["write_order"] == "stamped", shuffle
+    assert shuffle["duplicate_fraction"] == 0.0 and 1.0 <= shuffle["distinct_writers_per_batch"] <= 2.0, shuffle
+    # Estimated from the writers' shares, such runs gave up to 2.3 ("mixed better than an ideal buffer").
+    assert 0.0 < shuffle["displacement_ratio"] < 1.5, shuffle
+    floor = result["shaped_floor"]
+    assert (floor["writers"], floor["readers"], floor["ranks"]) == (2, 2, 1)
+    assert floor["samples_per_s"] > 0 and result["loader_vs_shaped_floor"] > 0, floor
+
+
 def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> None:
     config = DataloaderConfig(
         bs=8, shuffle_size=128, queue_name="cli-stats", num_writers=1, num_readers=1, redis_url=redis_url

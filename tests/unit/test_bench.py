@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -19,6 +21,7 @@ from gigashuffle.bench.baselines import (
 )
 from gigashuffle.bench.cpu import CpuMeter
 from gigashuffle.bench.shapedfloor import Shape, ring_depth, shaped_floor, writers_lead
+from gigashuffle.bench.stamps import ChunkStamps
 from gigashuffle.bench.workloads import (
     ID_FIELD,
     WORKLOADS,
@@ -176,6 +179,23 @@ def test_shaped_floor_runs_the_loaders_processes() -> None:
     assert (out["writers"], out["readers"], out["ranks"]) == (2, 1, 2)
     assert out["samples_per_s"] == pytest.approx(delivered / 0.3)
     assert out["cpu_us_per_row"]["all"] == pytest.approx(1e6 * sum(run.cpu_s.values()) / delivered)
+
+
+def test_chunk_stamps_give_each_row_its_chunks_time(tmp_path: Path) -> None:
+    stamps = ChunkStamps(tmp_path, max_chunks=4)
+    dataset = RepeatingChunkDataset(SMALL, max_chunks=5, stamps=stamps)  # one chunk more than the log holds
+    before = time.monotonic_ns()
+    chunks = [chunk[0][ID_FIELD].clone() for chunk in dataset]
+    after = time.monotonic_ns()
+    noted = np.fromfile(tmp_path / "writer-0.i64", dtype=np.int64)
+    assert noted.size == 4 and before <= noted[0] and bool((np.diff(noted) >= 0).all()) and noted[-1] <= after
+    ids = torch.cat(chunks[:4]).numpy()
+    got = stamps.row_stamps(ids, SMALL.chunk_rows)
+    assert got is not None and list(got) == list(np.repeat(noted, SMALL.chunk_rows))
+    assert stamps.row_stamps(chunks[4].numpy(), SMALL.chunk_rows) is None, "a chunk past the log has no time"
+    assert stamps.row_stamps(make_ids(1, 0, 3).numpy(), SMALL.chunk_rows) is None, "a writer that noted nothing"
+    stamps.writer_log(2)  # a writer whose log exists but that noted no chunk yet
+    assert stamps.row_stamps(make_ids(2, 0, 3).numpy(), SMALL.chunk_rows) is None
 
 
 def test_timed_batches_always_times_one_batch() -> None:
