@@ -248,7 +248,8 @@ def run_workload(
     if loader:
         result["loader"] = measure_loader(workload, seconds, redis_url, writers, readers, ranks)
         gc.collect()
-    if baselines if shaped is None else shaped:
+    run_shaped = baselines if shaped is None else shaped
+    if run_shaped:
         floor_run = shaped_floor(workload, seconds, Shape(writers, readers, ranks))
         result["shaped_floor"] = floor_run.to_dict()
         log.info("%s: copy floor in the loader's shape %.0f samples/s", name, floor_run.samples_per_s)
