@@ -4,8 +4,10 @@ NOTE [ Attach ]
 Every process that has the node buffer mapped serves it on ``<runtime dir>/attach-<pid>.sock`` (a path socket in
 the private runtime directory, never the abstract namespace) and lists that path in the queue's ``procs`` hash.
 A process that needs the buffer connects to any listed server; the server checks the peer's uid with
-SO_PEERCRED, sends the layout as JSON and the memfd over SCM_RIGHTS, and closes. Since every holder serves,
-the owner (the process that allocated the buffer) can die without stranding a respawned process.
+SO_PEERCRED, sends its info as JSON (the buffer's size, scope and metadata) and the buffer's and slot table's
+memfds over SCM_RIGHTS, and closes. Since every holder serves, the owner (the process that allocated the buffer)
+can die without stranding a respawned process, and a writer can find the buffer when Redis lists none (NOTE
+[ A buffer Redis forgot ] in localbuffer.py).
 """
 
 from __future__ import annotations

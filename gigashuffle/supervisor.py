@@ -27,9 +27,11 @@ the buffer and its slot table live in the children's shared memory. So the train
   4. kills, through the zygote, every child still starting (it holds no slots and would quote the old
      generation) and starts it again. A child that died of a refused generation is started again too. Neither
      counts against ``max_restarts``: nothing failed.
-No row is lost, delivered twice or torn, since the slot table never left shared memory. What stays open: a rank
-whose trainer never mapped the slot table (no child of it had attached yet) cannot republish the metadata, so
-during start-up a new writer of that rank may create a second buffer if it is faster than the ranks that can.
+No row is lost, delivered twice or torn, since the slot table never left shared memory. A rank whose trainer
+never mapped the slot table (no child of it had attached yet) cannot republish the metadata, and a new writer may
+start before the ranks that can have: finding no metadata, it looks for the node's buffer in the runtime
+directory and publishes that one again (NOTE [ A buffer Redis forgot ] in localbuffer.py), so a node keeps one
+buffer.
 Only a Redis that stays unreachable past ``redis_timeout_s`` fails the loader (``QueueStateLostError``).
 """
 

@@ -22,6 +22,7 @@ from .config import DataloaderConfig
 from .control import ControlPlane
 from .errors import AttachError, GigashuffleError, QueueStateLostError
 from .keys import QueueKeys
+from .localbuffer import ServedBuffer, attach_info, buffer_scope
 from .meta import signed_meta, unsigned_fields, verified_layout
 from .redisconn import connect
 from .runtime import attach_socket_path, node_secret
@@ -86,6 +87,7 @@ class ChildEnv:
         self.store = ControlPlane(self.client, QueueKeys(spec.config.queue_name, spec.config.node), spec.generation)
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
+        self.scope = buffer_scope(spec.redis_url, spec.config.queue_name, spec.config.node)
         self.buffer: SlotBuffer | None = None
         self.table: SlotTable | None = None
         self.server: AttachServer | None = None
@@ -124,23 +126,53 @@ class ChildEnv:
         # Listen before publishing, but list the socket in Redis only once the seed is won: a loser's own buffer
         # must never be handed out (a reader that attached through it would gather zeros forever).
         self.buffer, self.table, self.owner = buffer, table, True
+        if not self._publish(fields):
+            return False
+        retitle(" owner")
+        return True
+
+    def adopt_buffer(self, served: ServedBuffer) -> bool:
+        """Map a buffer another process of the node serves though Redis lists none, and publish it again
+        (NOTE [ A buffer Redis forgot ] in localbuffer.py); True if ours is the publication that won."""
+        slots, fields = self.config.shuffle_size, served.fields
+        try:
+            layout, nbytes, ok = (
+                Layout.from_json(fields["layout"]),
+                int(fields["nbytes"]),
+                int(fields["slots"]) == slots,
+            )
+        except (KeyError, ValueError, GigashuffleError) as exc:
+            log.warning("ignoring a served buffer with unreadable metadata: %s", exc)
+            ok = False
+        if not ok:
+            os.close(served.buffer_fd)
+            os.close(served.table_fd)
+            return False
+        self.buffer = SlotBuffer(layout, slots, SharedMemory(nbytes, served.buffer_fd))
+        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), served.table_fd))
+        return self._publish(fields)
+
+    def _publish(self, fields: dict[str, bytes]) -> bool:
+        """Serve the buffer this process holds and publish its metadata; if another publication won, drop it."""
+        self.meta_fields = fields
         self._serve(register=False)
         won = False
         try:
             won = self.store.seed(signed_meta(self.secret, self.spec.generation, fields))
         finally:
             if not won:
-                if self.server is not None:
-                    self.server.close()
-                self.server, self.buffer, self.table, self.owner = None, None, None, False
-                buffer.close()
-                table.close()
-        if not won:
-            return False
-        self.meta_fields = fields
-        self.register()
-        retitle(" owner")
-        return True
+                self._drop_buffer()
+        if won:
+            self.register()
+        return won
+
+    def _drop_buffer(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for resource in (self.buffer, self.table):
+            if resource is not None:
+                resource.close()
+        self.server, self.buffer, self.table, self.owner, self.meta_fields = None, None, None, False, {}
 
     def read_meta(self) -> tuple[Layout, dict[str, bytes]]:
         """Wait for the published metadata and check its HMAC."""
@@ -178,7 +210,7 @@ class ChildEnv:
             raise AssertionError("serving a buffer this process does not hold")
         path = attach_socket_path(os.getpid(), self.runtime_dir)
         fds = (self.buffer.memory.fd, self.table.fd)
-        self.server = AttachServer(path, fds, {"nbytes": self.buffer.nbytes})
+        self.server = AttachServer(path, fds, attach_info(self.scope, self.buffer.nbytes, self.meta_fields))
         if register:
             self.register()
 

@@ -43,6 +43,7 @@ from torch.utils.data._utils import worker as torch_worker
 from . import dummy
 from .channel import Channel
 from .errors import SchemaError
+from .localbuffer import find_served_buffer
 from .messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
 from .pending import PendingRows, rows_per_commit
 from .schema import Layout
@@ -207,9 +208,14 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
     chunk = chunks.next()
     layout = Layout.from_chunk(chunk)
     if env.store.meta().get("layout") is None:
-        _rows, as_bytes = layout.rows_in(chunk)
-        first_row = b"".join(field[0].numpy().tobytes() for field in as_bytes)
-        if not env.publish_buffer(layout, first_row):
+        served = find_served_buffer(env.runtime_dir, env.scope)  # NOTE [ A buffer Redis forgot ]
+        if served is not None:
+            held = env.adopt_buffer(served)
+        else:
+            _rows, as_bytes = layout.rows_in(chunk)
+            first_row = b"".join(field[0].numpy().tobytes() for field in as_bytes)
+            held = env.publish_buffer(layout, first_row)
+        if not held:
             env.attach_buffer()
     else:
         env.attach_buffer()

@@ -11,7 +11,11 @@ than the socket timeout must be ridden out.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -331,3 +335,54 @@ def test_two_ranks_of_a_node_rejoin_one_session_and_keep_one_buffer(
     assert len(all_ids) == len(set(all_ids)), "a row was read twice across the node"
     figures = chaos.assert_stats(loaders[0])
     chaos.finish("rejoined", detect_s=detect_s, **figures)
+
+
+def _json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_rank_started_after_a_flush_finds_the_buffer_redis_forgot(
+    chaos: Any, redis_server: Any, redis_url: str
+) -> None:
+    """Rank 0 runs in a process of its own and is stopped (SIGSTOP) once its children serve the buffer, so no
+    trainer publishes the buffer again; Redis is flushed; rank 1 starts. Its writer finds no metadata in Redis and
+    finds rank 0's buffer through the runtime directory instead of allocating a second one (NOTE [ A buffer Redis
+    forgot ]): rank 1 gets rows that rank 0's writers wrote before the flush, none twice. Rank 0 then goes on."""
+    chaos.begin("Redis fault: a rank starts after it", "flushall while the other rank's trainer is stopped", None,
+                redis_url)  # fmt: skip
+    out, stop_file = chaos.tmp_path / "rank0", chaos.tmp_path / "stop-rank0"
+    rank0 = chaos.trainer(out, "--queue", chaos.queue, "--redis-url", redis_url, "--rank", "0", "--ranks", "2",
+                          "--stop-file", str(stop_file))  # fmt: skip
+    wait_until(lambda: (out / "pids.json").exists() or rank0.poll() is not None, timeout_s=120.0,
+               what="rank 0's first batch")  # fmt: skip
+    assert rank0.poll() is None, (out / "log").read_text()
+    rank0_writers = set(_json_or_none(out / "pids.json")["roles"]["writer"])
+    os.kill(rank0.pid, signal.SIGSTOP)
+    try:
+        with redis_server.client() as client:
+            client.flushall()
+        node = {"local_world_size": 2, "global_world_size": 2, "local_rank": 1, "global_rank": 1}
+        consumer = chaos.consumer(chaos.loader(ChaosDataset(rows=8), chaos.config(**node)))
+        end = time.monotonic() + RESTART_LIMIT_S
+        while not consumer.writers_seen() & rank0_writers:  # rows from before the flush, in the one buffer
+            assert time.monotonic() < end, f"rank 1 saw writers {consumer.writers_seen()}, none of {rank0_writers}"
+            consumer.next()
+        consumer.assert_unique()
+    finally:
+        os.kill(rank0.pid, signal.SIGCONT)
+    progress = (_json_or_none(out / "progress.json") or {}).get("batches", 0)
+    wait_until(
+        lambda: (_json_or_none(out / "progress.json") or {}).get("batches", 0) > progress or rank0.poll() is not None,
+        timeout_s=RESTART_LIMIT_S, what="rank 0 to go on after SIGCONT",
+    )  # fmt: skip
+    stop_file.touch()
+    end = time.monotonic() + RESTART_LIMIT_S
+    while rank0.poll() is None:  # rank 0 may wait for rows that only rank 1's writers now add
+        assert time.monotonic() < end, f"rank 0 did not stop:\n{(out / 'log').read_text()[-3000:]}"
+        consumer.next()
+    assert rank0.returncode == 0, (out / "log").read_text()
+    figures = chaos.assert_stats(chaos.loaders[0])
+    chaos.finish("one buffer", **figures)

@@ -3,7 +3,8 @@
 ``--mode iterate``: build a loader on ``--queue`` (``--redis-url``, else the embedded default), read batches and
 check each one; after the first batch write ``<out>/pids.json`` (this process, the loader's children by role, and
 every descendant with its start time, the embedded Redis server included), then keep ``<out>/progress`` (the
-batch count) current until killed or ``--max-seconds`` pass.
+batch count) current until killed, ``--max-seconds`` pass or ``--stop-file`` exists (checked after each batch).
+``--rank``/``--ranks``: one rank of a node of several, sharing its buffer with the others.
 
 ``--mode claim``: try to build a loader on the queue and global rank, write ``<out>/claim.json`` with the error
 type and message (or ``"ok": true``), close and exit.
@@ -40,6 +41,10 @@ def _config(args: argparse.Namespace) -> DataloaderConfig:
         num_writers=2,
         num_readers=1,
         redis_url=args.redis_url,
+        local_rank=args.rank,
+        global_rank=args.rank,
+        local_world_size=args.ranks,
+        global_world_size=args.ranks,
     )
 
 
@@ -62,7 +67,7 @@ def iterate(args: argparse.Namespace, out: Path) -> int:
                                                 "descendants": descendants})  # fmt: skip
             if count % 5 == 0:
                 _write_json(out / "progress.json", {"batches": count})
-            if time.monotonic() > end:
+            if time.monotonic() > end or (args.stop_file is not None and args.stop_file.exists()):
                 return 0
     finally:
         loader.close()
@@ -91,6 +96,9 @@ def main() -> int:
     parser.add_argument("--bs", type=int, default=8)
     parser.add_argument("--shuffle-size", type=int, default=128)
     parser.add_argument("--max-seconds", type=float, default=180.0)
+    parser.add_argument("--rank", type=int, default=0, help="this trainer's rank on a node of --ranks ranks")
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--stop-file", type=Path, default=None, help="close and exit once this file exists")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     return iterate(args, args.out) if args.mode == "iterate" else claim(args, args.out)
