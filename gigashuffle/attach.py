@@ -53,6 +53,10 @@ class AttachServer:
         self._thread = threading.Thread(target=self._serve, name="gigashuffle-attach", daemon=True)
         self._thread.start()
 
+    def set_info(self, info: dict[str, Any]) -> None:
+        """What later peers get instead (one attribute swap: a peer gets the old info or the new, whole)."""
+        self._payload = json.dumps(info).encode()
+
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:

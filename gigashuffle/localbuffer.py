@@ -10,7 +10,9 @@ yet. Finding no metadata, it used to allocate a second buffer, and the node's ra
 
 So before a writer allocates a buffer, it asks the attach sockets in the runtime directory (this user's, on this
 machine) whether one of them serves a buffer of the same scope: the same Redis URL, queue and node id. Every
-process that serves the buffer says its scope and the buffer's metadata (unsigned) in its attach reply. A writer
+process that serves a published buffer says its scope and the buffer's metadata (unsigned) in its attach reply;
+one that just allocated a buffer says its scope only once its publication won, since a losing buffer is dropped
+(as it is never listed in Redis). A writer
 that finds one maps that buffer and its slot table, signs the metadata under the current session, and publishes
 it as a new buffer's would be (the first publication wins; a loser attaches to the winner's through Redis as
 before). Only a writer that finds none allocates. Two writers that look at the same moment both find the live
@@ -54,9 +56,13 @@ def buffer_scope(redis_url: str, queue: str, node: str) -> str:
     return hashlib.sha256(key).hexdigest()[:32]
 
 
-def attach_info(scope: str, nbytes: int, fields: dict[str, bytes]) -> dict[str, Any]:
-    """What a process that serves the buffer says in its attach reply (JSON: the fields' bytes as hex)."""
-    return {"nbytes": nbytes, "scope": scope, "fields": {name: value.hex() for name, value in fields.items()}}
+def attach_info(scope: str | None, nbytes: int, fields: dict[str, bytes]) -> dict[str, Any]:
+    """What a process that serves the buffer says in its attach reply (JSON: the fields' bytes as hex). Without
+    ``scope`` the buffer is not found by :func:`find_served_buffer`: one whose publication may yet lose."""
+    info: dict[str, Any] = {"nbytes": nbytes, "fields": {name: value.hex() for name, value in fields.items()}}
+    if scope is not None:
+        info["scope"] = scope
+    return info
 
 
 def find_served_buffer(runtime_dir: Path, scope: str) -> ServedBuffer | None:

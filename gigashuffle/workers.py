@@ -163,6 +163,7 @@ class ChildEnv:
             if not won:
                 self._drop_buffer()
         if won:
+            self._announce()
             self.register()
         return won
 
@@ -210,9 +211,16 @@ class ChildEnv:
             raise AssertionError("serving a buffer this process does not hold")
         path = attach_socket_path(os.getpid(), self.runtime_dir)
         fds = (self.buffer.memory.fd, self.table.fd)
-        self.server = AttachServer(path, fds, attach_info(self.scope, self.buffer.nbytes, self.meta_fields))
+        # Found in the runtime directory only once published: NOTE [ A buffer Redis forgot ] in localbuffer.py.
+        scope = self.scope if register else None
+        self.server = AttachServer(path, fds, attach_info(scope, self.buffer.nbytes, self.meta_fields))
         if register:
             self.register()
+
+    def _announce(self) -> None:
+        """Say the scope in the attach reply of a buffer whose publication won."""
+        if self.server is not None and self.buffer is not None:
+            self.server.set_info(attach_info(self.scope, self.buffer.nbytes, self.meta_fields))
 
     # -- a new session (NOTE [ Rejoining ] in supervisor.py) ----------------------------------------------------
     def rejoin(self, generation: str) -> None:

@@ -72,3 +72,24 @@ def test_finds_the_buffer_of_its_scope_among_other_queues_and_stale_sockets(
 
 def test_an_empty_runtime_dir_has_no_buffer(runtime_dir: Path) -> None:
     assert find_served_buffer(runtime_dir, buffer_scope("redis://h:6379/0", "q", "n")) is None
+
+
+def test_a_buffer_is_found_only_once_it_says_its_scope(runtime_dir: Path) -> None:
+    """A writer serves its new buffer before its publication is decided, without the scope; a losing buffer is
+    dropped, so only a won one may be found (NOTE [ A buffer Redis forgot ])."""
+    scope = buffer_scope("redis://h:6379/0", "q", "node-a")
+    buffer, table = SharedMemory(4096), SharedMemory(4096)
+    assert buffer.fd is not None and table.fd is not None
+    server = AttachServer(attach_socket_path(1_000_003, runtime_dir), (buffer.fd, table.fd),
+                          attach_info(None, 4096, FIELDS))  # fmt: skip
+    try:
+        assert find_served_buffer(runtime_dir, scope) is None
+        server.set_info(attach_info(scope, 4096, FIELDS))
+        found = find_served_buffer(runtime_dir, scope)
+        assert found is not None and found.fields == FIELDS
+        os.close(found.buffer_fd)
+        os.close(found.table_fd)
+    finally:
+        server.close()
+        buffer.close()
+        table.close()
