@@ -131,23 +131,21 @@ class ChildEnv:
         retitle(" owner")
         return True
 
-    def adopt_buffer(self, served: ServedBuffer) -> bool:
-        """Map a buffer another process of the node serves though Redis lists none, and publish it again
-        (NOTE [ A buffer Redis forgot ] in localbuffer.py); True if ours is the publication that won."""
+    def adopt_buffer(self, served: ServedBuffer) -> bool | None:
+        """Map a buffer another process of the node serves though Redis lists none, and publish it again (NOTE
+        [ A buffer Redis forgot ] in localbuffer.py): True if ours is the publication that won, False if another
+        one did, None (its fds closed) if that buffer does not fit this loader's configuration."""
         slots, fields = self.config.shuffle_size, served.fields
         try:
-            layout, nbytes, ok = (
-                Layout.from_json(fields["layout"]),
-                int(fields["nbytes"]),
-                int(fields["slots"]) == slots,
-            )
+            layout, nbytes = Layout.from_json(fields["layout"]), int(fields["nbytes"])
+            fits = int(fields["slots"]) == slots
         except (KeyError, ValueError, GigashuffleError) as exc:
             log.warning("ignoring a served buffer with unreadable metadata: %s", exc)
-            ok = False
-        if not ok:
+            fits = False
+        if not fits:
             os.close(served.buffer_fd)
             os.close(served.table_fd)
-            return False
+            return None
         self.buffer = SlotBuffer(layout, slots, SharedMemory(nbytes, served.buffer_fd))
         self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), served.table_fd))
         return self._publish(fields)

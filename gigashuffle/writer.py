@@ -209,9 +209,8 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
     layout = Layout.from_chunk(chunk)
     if env.store.meta().get("layout") is None:
         served = find_served_buffer(env.runtime_dir, env.scope)  # NOTE [ A buffer Redis forgot ]
-        if served is not None:
-            held = env.adopt_buffer(served)
-        else:
+        held = env.adopt_buffer(served) if served is not None else None
+        if held is None:  # no live buffer of this queue on this node (or none that fits): allocate one
             _rows, as_bytes = layout.rows_in(chunk)
             first_row = b"".join(field[0].numpy().tobytes() for field in as_bytes)
             held = env.publish_buffer(layout, first_row)
