@@ -12,11 +12,12 @@ So before a writer allocates a buffer, it asks the attach sockets in the runtime
 machine) whether one of them serves a buffer of the same scope: the same Redis URL, queue and node id. Every
 process that serves a published buffer says its scope and the buffer's metadata (unsigned) in its attach reply;
 one that just allocated a buffer says its scope only once its publication won, since a losing buffer is dropped
-(as it is never listed in Redis). A writer
-that finds one maps that buffer and its slot table, signs the metadata under the current session, and publishes
-it as a new buffer's would be (the first publication wins; a loser attaches to the winner's through Redis as
-before). Only a writer that finds none allocates. Two writers that look at the same moment both find the live
-buffer, or both find none and the publication picks one, as at any start.
+(and, for the same reason, never listed in Redis). A writer that finds one maps that buffer and its slot table,
+signs the metadata under the current session and publishes it as a new buffer's would be: the first publication
+wins, a loser attaches to the winner's through Redis as before, and the same metadata published again counts as
+the owner's retry and wins too. Only a writer that finds none, or one that does not fit its configuration
+(another slot count), allocates. Two writers that look at the same moment both find the live buffer, or both
+find none and the publication picks one, as at any start.
 
 What stays trusted: the attach socket checks its peer's uid (NOTE [ Attach ] in attach.py), so the metadata comes
 from a process of this user, as the node secret that signs it does. A URL written two ways (``localhost`` and
