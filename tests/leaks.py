@@ -140,6 +140,12 @@ def _open_fds() -> frozenset[tuple[int, str]]:
     return frozenset(found)
 
 
+def memfd_fds() -> frozenset[int]:
+    """This process's fds on memfds of any name: what a test that hands memfds around checks it closed. Other fds
+    are left out, since a thread of the test (an attach server) may still be closing a socket it just used."""
+    return frozenset(fd for fd, target in _open_fds() if target.startswith("/memfd:"))
+
+
 def _own_children() -> set[int]:
     """Children this process started itself and has not reaped yet (their exit status is theirs to collect)."""
     pids = {p.pid for p in multiprocessing.active_children()}

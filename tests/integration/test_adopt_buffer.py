@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import leaks
 import pytest
 import torch
 
@@ -61,17 +62,6 @@ def children(redis_url: str, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch)
 
 def _config(redis_url: str, shuffle_size: int = 16) -> DataloaderConfig:
     return DataloaderConfig(bs=4, shuffle_size=shuffle_size, queue_name=QUEUE, redis_url=redis_url)
-
-
-def _memfd_fds() -> set[str]:
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
-                fds.add(fd)
-        except OSError:  # the fd listdir itself used, closed by now
-            continue
-    return fds
 
 
 def _inode(fd: int | None) -> int:
@@ -146,11 +136,11 @@ def test_a_served_buffer_that_does_not_fit_is_left_alone(children: Children, red
         assert owner.publish_buffer(Layout.from_chunk([{"x": torch.zeros(4)}]), b"\x00" * 4)
         client.flushall()
         other = children.env(_config(redis_url, shuffle_size=32), session.generation)
-        mapped_before = _memfd_fds()
+        mapped_before = leaks.memfd_fds()
         served = find_served_buffer(children.runtime_dir, other.scope)
         assert served is not None, "the scope is the queue's on this Redis and node, whatever its size"
         assert other.adopt_buffer(served) is None, "16 slots do not make a 32-slot buffer"
-        assert _memfd_fds() == mapped_before, "the served fds were closed"
+        assert leaks.memfd_fds() == mapped_before, "the served fds were closed"
         assert other.buffer is None and other.store.meta() == {}
     finally:
         session.leave()

@@ -7,6 +7,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import leaks
 import pytest
 
 from gigashuffle.attach import AttachServer
@@ -15,19 +16,6 @@ from gigashuffle.localbuffer import attach_info, buffer_scope, find_served_buffe
 from gigashuffle.runtime import attach_socket_path
 
 FIELDS = {"layout": b'{"num_groups":1,"fields":[[0,"x","uint8",[4]]]}', "slots": b"16", "first_row": b"\x00\xff"}
-
-
-def _memfd_fds() -> set[str]:
-    """This process's fds on shared memory. Not every fd: the servers' threads here close each accepted
-    connection just after the reply, so a socket fd may still be open when a search returns."""
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
-                fds.add(fd)
-        except OSError:  # the fd listdir itself used, closed by now
-            continue
-    return fds
 
 
 @pytest.fixture
@@ -64,7 +52,7 @@ def test_finds_the_buffer_of_its_scope_among_other_queues_and_stale_sockets(
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a dead process's socket file: nobody listens
     stale.bind(str(attach_socket_path(1_000_000, runtime_dir)))
     stale.close()
-    before = _memfd_fds()
+    before = leaks.memfd_fds()
     for queue in ("q1", "q2"):
         scope = buffer_scope("redis://h:6379/0", queue, "node-a")
         buffer, table = served[scope]
@@ -76,7 +64,7 @@ def test_finds_the_buffer_of_its_scope_among_other_queues_and_stale_sockets(
             assert os.fstat(got).st_ino == os.fstat(want).st_ino, "the fds name the served memory"
             os.close(got)
     assert find_served_buffer(runtime_dir, buffer_scope("redis://h:6379/0", "q3", "node-a")) is None
-    assert _memfd_fds() == before, "every fd of a server of another scope was closed"
+    assert leaks.memfd_fds() == before, "every fd of a server of another scope was closed"
 
 
 def test_an_empty_runtime_dir_has_no_buffer(runtime_dir: Path) -> None:
