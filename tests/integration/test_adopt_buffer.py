@@ -6,11 +6,12 @@ Several children's environments in this one process, on a real Redis, as separat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import leaks
 import pytest
@@ -69,79 +70,76 @@ def _inode(fd: int | None) -> int:
     return os.fstat(fd).st_ino
 
 
-def test_a_writer_adopts_the_live_buffer_redis_forgot(children: Children, redis_url: str) -> None:
+LAYOUT = Layout.from_chunk([{"x": torch.arange(8, dtype=torch.int64)}])
+
+
+@dataclass
+class Forgotten:
+    """A node whose buffer Redis forgot: ``owner`` published it under one session, then Redis was flushed and
+    ``generation`` is the session joined after that."""
+
+    config: DataloaderConfig
+    owner: workers.ChildEnv
+    generation: str
+
+
+@pytest.fixture
+def forgotten(children: Children, redis_url: str) -> Iterator[Forgotten]:
     client = connect(redis_url)
     config = _config(redis_url)
     first = NodeSession(client, config)
     owner = children.env(config, first.generation)
-    chunk: Any = [{"x": torch.arange(8, dtype=torch.int64)}]
-    layout = Layout.from_chunk(chunk)
-    assert owner.publish_buffer(layout, b"\x00" * 8)
+    assert owner.publish_buffer(LAYOUT, b"\x00" * 8)
     assert owner.buffer is not None and owner.table is not None
     client.flushall()  # Redis forgets the session; the buffer lives on in its holders
     second = NodeSession(client, config)
     try:
-        adopter = children.env(config, second.generation)
-        served = find_served_buffer(children.runtime_dir, adopter.scope)
-        assert served is not None, "the owner's published buffer is found in the runtime directory"
-        assert adopter.adopt_buffer(served) is True
-        assert adopter.buffer is not None and adopter.table is not None and adopter.server is not None
-        assert _inode(adopter.buffer.memory.fd) == _inode(owner.buffer.memory.fd), "the same buffer, not a new one"
-        assert _inode(adopter.table.fd) == _inode(owner.table.fd)
-        meta = adopter.store.meta()
-        assert verified_layout(adopter.secret, second.generation, meta, QUEUE) == layout, "signed under the new session"
-        assert meta["owner"] == owner.proc.encode(), "the metadata still names the process that allocated it"
-
-        # Another writer that adopts it too publishes the same metadata: SEED takes it as the owner's retry.
-        again = children.env(config, second.generation)
-        served = find_served_buffer(children.runtime_dir, again.scope)
-        assert served is not None and again.adopt_buffer(served) is True
-        assert again.buffer is not None and _inode(again.buffer.memory.fd) == _inode(owner.buffer.memory.fd)
+        yield Forgotten(config, owner, second.generation)
     finally:
         first.leave()  # its claim went with the flush: this only stops its heartbeat
         second.leave()
         client.close()
 
 
-def test_an_adopter_whose_publication_lost_drops_what_it_mapped(children: Children, redis_url: str) -> None:
-    client = connect(redis_url)
-    config = _config(redis_url)
-    first = NodeSession(client, config)
-    layout = Layout.from_chunk([{"x": torch.arange(8, dtype=torch.int64)}])
-    owner = children.env(config, first.generation)
-    assert owner.publish_buffer(layout, b"\x00" * 8)
+def test_a_writer_adopts_the_live_buffer_redis_forgot(children: Children, forgotten: Forgotten) -> None:
+    owner = forgotten.owner
     assert owner.buffer is not None and owner.table is not None
-    client.flushall()
-    second = NodeSession(client, config)
-    try:
-        fresh = children.env(config, second.generation)  # a writer that allocated before anyone adopted
-        assert fresh.publish_buffer(layout, b"\x00" * 8)
-        late = children.env(config, second.generation)
-        buffer_fd, table_fd = os.dup(owner.buffer.memory.fd or -1), os.dup(owner.table.fd or -1)
-        assert late.adopt_buffer(ServedBuffer(owner.meta_fields, buffer_fd, table_fd)) is False
-        assert (late.buffer, late.table, late.server) == (None, None, None), "the loser dropped what it mapped"
-        assert late.store.meta()["owner"] == fresh.proc.encode()
-    finally:
-        first.leave()  # its claim went with the flush: this only stops its heartbeat
-        second.leave()
-        client.close()
+    adopter = children.env(forgotten.config, forgotten.generation)
+    served = find_served_buffer(children.runtime_dir, adopter.scope)
+    assert served is not None, "the owner's published buffer is found in the runtime directory"
+    assert adopter.adopt_buffer(served) is True
+    assert adopter.buffer is not None and adopter.table is not None and adopter.server is not None
+    assert _inode(adopter.buffer.memory.fd) == _inode(owner.buffer.memory.fd), "the same buffer, not a new one"
+    assert _inode(adopter.table.fd) == _inode(owner.table.fd)
+    meta = adopter.store.meta()
+    assert verified_layout(adopter.secret, forgotten.generation, meta, QUEUE) == LAYOUT, "signed under the new session"
+    assert meta["owner"] == owner.proc.encode(), "the metadata still names the process that allocated it"
+
+    # Another writer that adopts it too publishes the same metadata: SEED takes it as the owner's retry.
+    again = children.env(forgotten.config, forgotten.generation)
+    served = find_served_buffer(children.runtime_dir, again.scope)
+    assert served is not None and again.adopt_buffer(served) is True
+    assert again.buffer is not None and _inode(again.buffer.memory.fd) == _inode(owner.buffer.memory.fd)
 
 
-def test_a_served_buffer_that_does_not_fit_is_left_alone(children: Children, redis_url: str) -> None:
-    client = connect(redis_url)
-    config = _config(redis_url)
-    session = NodeSession(client, config)
-    try:
-        owner = children.env(config, session.generation)
-        assert owner.publish_buffer(Layout.from_chunk([{"x": torch.zeros(4)}]), b"\x00" * 4)
-        client.flushall()
-        other = children.env(_config(redis_url, shuffle_size=32), session.generation)
-        mapped_before = leaks.memfd_fds()
-        served = find_served_buffer(children.runtime_dir, other.scope)
-        assert served is not None, "the scope is the queue's on this Redis and node, whatever its size"
-        assert other.adopt_buffer(served) is None, "16 slots do not make a 32-slot buffer"
-        assert leaks.memfd_fds() == mapped_before, "the served fds were closed"
-        assert other.buffer is None and other.store.meta() == {}
-    finally:
-        session.leave()
-        client.close()
+def test_an_adopter_whose_publication_lost_drops_what_it_mapped(children: Children, forgotten: Forgotten) -> None:
+    owner = forgotten.owner
+    assert owner.buffer is not None and owner.buffer.memory.fd is not None and owner.table is not None
+    assert owner.table.fd is not None
+    fresh = children.env(forgotten.config, forgotten.generation)  # a writer that allocated before anyone adopted
+    assert fresh.publish_buffer(LAYOUT, b"\x00" * 8)
+    late = children.env(forgotten.config, forgotten.generation)
+    served = ServedBuffer(owner.meta_fields, os.dup(owner.buffer.memory.fd), os.dup(owner.table.fd))
+    assert late.adopt_buffer(served) is False
+    assert (late.buffer, late.table, late.server) == (None, None, None), "the loser dropped what it mapped"
+    assert late.store.meta()["owner"] == fresh.proc.encode()
+
+
+def test_a_served_buffer_that_does_not_fit_is_left_alone(children: Children, forgotten: Forgotten) -> None:
+    other = children.env(dataclasses.replace(forgotten.config, shuffle_size=32), forgotten.generation)
+    mapped_before = leaks.memfd_fds()
+    served = find_served_buffer(children.runtime_dir, other.scope)
+    assert served is not None, "the scope is the queue's on this Redis and node, whatever its size"
+    assert other.adopt_buffer(served) is None, "16 slots do not make a 32-slot buffer"
+    assert leaks.memfd_fds() == mapped_before, "the served fds were closed"
+    assert other.buffer is None and other.store.meta() == {}
