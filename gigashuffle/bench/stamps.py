@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import quality
-from .workloads import WRITER_SHIFT, Workload
+from .workloads import Workload
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +51,18 @@ class ChunkStamps:
 
     def row_stamps(self, ids: npt.NDArray[np.int64], chunk_rows: int) -> npt.NDArray[np.int64] | None:
         """The time each row's chunk was handed out, or None if a row's writer noted no time for it."""
-        writers = ids >> WRITER_SHIFT
-        chunks = (ids & ((1 << WRITER_SHIFT) - 1)) // chunk_rows
+        writers, counters = quality.split_ids(ids)
+        chunks = counters // chunk_rows
         stamps = np.zeros(ids.size, dtype=np.int64)
         for writer in np.unique(writers):
             path = self._path(int(writer))
             if not path.exists():
                 return None
-            times = np.fromfile(path, dtype=np.int64)
             mine = writers == writer
             wanted = chunks[mine]
-            if wanted.size and int(wanted.max()) >= times.size:
+            # Only the slots up to the last chunk read, not the whole (mostly unwritten) log.
+            times = np.fromfile(path, dtype=np.int64, count=int(wanted.max()) + 1)
+            if int(wanted.max()) >= times.size:
                 return None
             stamps[mine] = times[wanted]
         return stamps if bool((stamps > 0).all()) else None
