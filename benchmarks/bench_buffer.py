@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from gigashuffle.bench.workloads import WORKLOADS
-from gigashuffle.buffer import BatchRing, SlotBuffer
 from gigashuffle.schema import Layout
+from gigashuffle.shm.buffer import BatchRing, SlotBuffer
+from gigashuffle.tools.bench.workloads import WORKLOADS
 
-# Readers and writers run with one intra-op thread (workers.py); a second thread would also make every sample
+# Readers and writers run with one intra-op thread (procs/childenv.py); a second thread would also make every sample
 # wait for whichever thread the scheduler delayed, which on a shared machine is most of the spread.
 torch.set_num_threads(1)
 

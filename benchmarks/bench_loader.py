@@ -22,8 +22,8 @@ import psutil
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.bench.runner import redis_command_calls
-from gigashuffle.bench.workloads import FieldSpec, RepeatingChunkDataset, Workload
+from gigashuffle.tools.bench.runner import redis_command_calls
+from gigashuffle.tools.bench.workloads import FieldSpec, RepeatingChunkDataset, Workload
 
 SMALL = Workload(
     "small",
@@ -167,7 +167,7 @@ class Cost:
 
     def track_node_lock_busy_pct(self) -> float:
         # The share of the window in which the node's transitions held its slot-table lock: the bound on a node's
-        # rate of small rows whatever its cores (NOTE [ Node lock budget ] in slottable.py).
+        # rate of small rows whatever its cores (NOTE [ Node lock budget ] in shm/slottable.py).
         loader = self.running.loader
         before, started = loader.lock_usage(), time.perf_counter()
         self.running.read(CPU_ROWS)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import time
 
-from gigashuffle.bench.workloads import WORKLOADS
-from gigashuffle.slottable import SlotIds, SlotTable
+from gigashuffle.shm.slottable import SlotIds, SlotTable
+from gigashuffle.tools.bench.workloads import WORKLOADS
 
 ROWS = 1_000
 FILL = 0.6  # the share of full slots kept: a reader needs half of them full (min_mixing 0.5) and draws from them
@@ -76,7 +76,7 @@ class Transitions:
 class LockHold:
     """How long the node lock is held per 1,000 rows written and read in ``Transitions``' cycle: the part of that
     work which every writer and reader of a node waits for, and so what bounds a node's rate of small rows
-    whatever its cores (NOTE [ Node lock budget ] in slottable.py). From the table's own ``lock_usage()``."""
+    whatever its cores (NOTE [ Node lock budget ] in shm/slottable.py). From the table's own ``lock_usage()``."""
 
     params = (WORKLOAD_NAMES,)
     param_names = ("workload",)

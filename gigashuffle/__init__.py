@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .config import DataloaderConfig
-from .errors import (
+from gigashuffle._version import __version__
+from gigashuffle.config import DataloaderConfig
+from gigashuffle.errors import (
     AttachError,
     ConfigMismatchError,
     GigashuffleError,
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from .loader import MultiprocessShuffledDataloader
-    from .schema import INDEX_KEY
-    from .slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.loader import MultiprocessShuffledDataloader
+    from gigashuffle.schema import INDEX_KEY
+    from gigashuffle.slottable import LockUsage, ShuffleBufferStats
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     import torch
 
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
-# '@' separates queue and node in every Redis key's hash tag (keys.py); a node id without it splits one way only.
+# '@' separates queue and node in every Redis key's hash tag (control/keys.py); a node id without it splits one
+# way only.
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
@@ -66,7 +67,7 @@ class DataloaderConfig:
     speed; ``device="cuda:N"`` (or a ``torch.device``) also returns every batch already on that device (the rings are
     then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     ``ring_depth`` is how many batches each reader keeps in flight; None picks 4 to 8 by batch size (see
-    :func:`gigashuffle.buffer.ring_depth_for`).
+    :func:`gigashuffle.shm.buffer.ring_depth_for`).
     """
 
     bs: int
@@ -264,7 +265,7 @@ class DataloaderConfig:
 
     def _check_device(self) -> None:
         # Only the spelling is checked here (no torch import: the CLI builds configs); whether this machine has the
-        # device is checked when the loader is built (gigashuffle.pinning).
+        # device is checked when the loader is built (gigashuffle.trainer.pinning).
         value = self.device
         if value is None:
             return

@@ -14,25 +14,28 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import datasetstate, dummy, embedded, pinning, progress
-from .config import DataloaderConfig
-from .errors import GigashuffleError
-from .keys import QueueKeys
-from .messages import SetContext, StartPass
-from .procs import ChildProcess
-from .redisconn import Client, connect
-from .runtime import describe_process, is_stopped, node_secret, remove_stale_sockets, runtime_dir
-from .schema import Layout
-from .session import NodeSession
-from .slottable import LockUsage, ShuffleBufferStats
-from .supervisor import Supervisor
+from gigashuffle.config import DataloaderConfig
+from gigashuffle.control import dummyrow, embedded
+from gigashuffle.control.client import Client, connect
+from gigashuffle.control.keys import QueueKeys
+from gigashuffle.control.session import NodeSession
+from gigashuffle.errors import GigashuffleError
+from gigashuffle.host.pids import describe_process, is_stopped
+from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
+from gigashuffle.host.secret import node_secret
+from gigashuffle.procs.messages import SetContext, StartPass
+from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.schema import Layout
+from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
+from gigashuffle.trainer import datasetstate, pinning, progress
+from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
 _SLOW_WARNING_S = 60.0
 # How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
-# holder ] in slottable.py): far longer than any transition holds it.
+# holder ] in shm/slottable.py): far longer than any transition holds it.
 _LOCK_PATIENCE_S = 30.0
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
 _PENDING_PUMP_S = 0.002
@@ -248,8 +251,10 @@ class MultiprocessShuffledDataloader:
         """
         self._check_open()
         if self._dummy is None:
-            self._dummy = dummy.await_row(self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s)
-        return self._placement.place(dummy.batch_of(*self._dummy, self.config.bs))
+            self._dummy = dummyrow.await_row(
+                self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s
+            )
+        return self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs))
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
@@ -260,7 +265,7 @@ class MultiprocessShuffledDataloader:
         """The node's slot-table lock: its total hold time and number of holds since the buffer was created (zero
         until then). Two readings over an interval give the share of the node's time that its writers' and
         readers' transitions took; near 1, more of them on this node cannot add throughput
-        (NOTE [ Node lock budget ] in slottable.py)."""
+        (NOTE [ Node lock budget ] in shm/slottable.py)."""
         self._check_open()
         table = self._sup.table()
         return LockUsage(0.0, 0) if table is None else table.lock_usage()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import SchemaError
+from gigashuffle.errors import SchemaError
 
 INDEX_KEY = "gigashuffle_index"
 """Key of the ``(bs,)`` int64 tensor of slot indices that every batch carries in ``batch[0]``."""

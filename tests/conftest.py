@@ -103,7 +103,7 @@ def redis_cluster_url(redis_cluster: RedisCluster) -> str:
 @pytest.fixture
 def client(redis_url: str) -> Iterator[Any]:
     """A gigashuffle Redis client (its retry policy included) on this worker's emptied Redis."""
-    from gigashuffle.redisconn import connect
+    from gigashuffle.control.client import connect
 
     c = connect(redis_url, total_timeout_s=5.0)
     yield c

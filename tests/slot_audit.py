@@ -17,13 +17,13 @@ import numpy as np
 import psutil
 import redis
 
-from gigashuffle.buffer import SharedMemory
-from gigashuffle.control import ControlPlane
+from gigashuffle.control.client import connect
+from gigashuffle.control.keys import QueueKeys
+from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
-from gigashuffle.keys import QueueKeys
-from gigashuffle.redisconn import connect
-from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
-from gigashuffle.workers import fetch_node_fds
+from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
 
 
 @contextlib.contextmanager

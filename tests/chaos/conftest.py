@@ -41,7 +41,7 @@ from slot_audit import audit_slots, node_table
 from timing import startup_deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.keys import QueueKeys
+from gigashuffle.control.keys import QueueKeys
 
 REPORT_ENV = "GIGASHUFFLE_CHAOS_REPORT"
 DEFAULT_REPORT = "/tmp/gigashuffle-chaos-report.jsonl"

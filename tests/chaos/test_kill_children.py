@@ -179,28 +179,28 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
     import torch
     from chaos_datasets import make_chunk
 
-    from gigashuffle import workers
-    from gigashuffle.channel import Channel
-    from gigashuffle.redisconn import connect
+    from gigashuffle.control.client import connect
+    from gigashuffle.control.session import NodeSession
+    from gigashuffle.procs import childenv
+    from gigashuffle.procs.channel import Channel
     from gigashuffle.schema import Layout
-    from gigashuffle.session import NodeSession
 
     rng = chaos.begin("owner seed race", "reader attaches while the SEED loser still serves", seed, redis_url)
     numbers = itertools.count()
     # Every ChildEnv here shares this pid; give each its own attach socket, as separate processes would have.
-    monkeypatch.setattr(workers, "attach_socket_path", lambda pid, d: d / f"attach-{pid}-{next(numbers)}.sock")
+    monkeypatch.setattr(childenv, "attach_socket_path", lambda pid, d: d / f"attach-{pid}-{next(numbers)}.sock")
     cfg = chaos.config(bs=4, shuffle_size=rng.choice((16, 32, 64)))
     client = connect(redis_url)
     session = NodeSession(client, cfg)
-    envs: list[workers.ChildEnv] = []
+    envs: list[childenv.ChildEnv] = []
     ends: list[Channel] = []
 
-    def child(role: str, index: int) -> workers.ChildEnv:
+    def child(role: str, index: int) -> childenv.ChildEnv:
         ours, theirs = Channel.pair()
         ends.extend((ours, theirs))
-        spec = workers.ChildSpec(role=role, index=index, config=cfg, redis_url=redis_url,
+        spec = childenv.ChildSpec(role=role, index=index, config=cfg, redis_url=redis_url,
                                  generation=session.generation, runtime_dir=str(chaos.runtime_dir))  # fmt: skip
-        env = workers.ChildEnv(spec, theirs)
+        env = childenv.ChildEnv(spec, theirs)
         env.store.client.hdel(env.store.keys.procs, env.proc)
         env.proc = f"0.{role[0]}{index}.{next(numbers)}"
         env.register()

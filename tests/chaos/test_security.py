@@ -4,7 +4,7 @@
   overwritten. Processes already attached never read it again, but every newcomer must refuse it with
   ``TamperedMetadataError``: a child respawned after a SIGKILL (its traceback reaches the trainer in
   ``WorkerDied``), or a fresh loader of another local rank of the same queue asking for a dummy batch.
-* Another uid: as root, a ``setpriv --reuid=nobody`` process tries ``gigashuffle.attach.attach()`` on a live
+* Another uid: as root, a ``setpriv --reuid=nobody`` process tries ``gigashuffle.procs.attach.attach()`` on a live
   attach socket. With the runtime dir at 0700 it cannot even connect; with the dir opened to 0711 and the socket
   to 0666 it connects, but the server checks SO_PEERCRED and closes without sending a file descriptor (a raw
   client that skips attach()'s own uid check shows that no fd arrives). The server then still serves its own uid.
@@ -30,8 +30,8 @@ from chaos_datasets import ChaosDataset
 
 import gigashuffle
 from gigashuffle import GigashuffleError, MultiprocessShuffledDataloader, TamperedMetadataError, WorkerDied
-from gigashuffle.attach import attach
-from gigashuffle.runtime import runtime_dir
+from gigashuffle.host.rundir import runtime_dir
+from gigashuffle.procs.attach import attach
 
 REFUSE_LIMIT_S = 30.0
 IS_ROOT = os.geteuid() == 0
@@ -90,7 +90,7 @@ def test_tampered_metadata_is_refused(chaos: Any, redis_url: str, field: str, ne
 _NOBODY_CLIENT = r"""
 import json, socket, sys, types
 pkg = types.ModuleType("gigashuffle"); pkg.__path__ = [sys.argv[2]]; sys.modules["gigashuffle"] = pkg
-from gigashuffle.attach import attach  # the real client, without the package's torch/redis imports
+from gigashuffle.procs.attach import attach  # the real client, without the package's torch/redis imports
 out = {}
 try:
     info, fds = attach(sys.argv[1], timeout_s=5.0)

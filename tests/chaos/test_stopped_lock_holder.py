@@ -1,7 +1,7 @@
 """A process of the node stopped (SIGSTOP) while it holds the slot table's lock, then killed.
 
 No process can take a live holder's flock, so the node's writers and readers wait; the trainer must say why
-instead of hanging silently (NOTE [ A stopped lock holder ] in slottable.py):
+instead of hanging silently (NOTE [ A stopped lock holder ] in shm/slottable.py):
 
 - its heartbeat goes on (it reads the table's counts without the lock), so the node keeps its session;
 - ``stats()`` raises ``NodeLockBusy`` naming the holder's pid and that it is stopped, once its patience is spent;
@@ -30,7 +30,7 @@ from slot_audit import node_table
 
 import gigashuffle.loader as loader_module
 from gigashuffle import NodeLockBusy
-from gigashuffle.runtime import is_stopped
+from gigashuffle.host.pids import is_stopped
 
 HOLDER = """
 import fcntl, os, signal, sys

@@ -11,7 +11,7 @@ import torch
 from datasets import ID_STRIDE, Chunk, unique_chunk
 from torch.utils.data import IterableDataset, get_worker_info
 
-from gigashuffle.keys import QueueKeys
+from gigashuffle.control.keys import QueueKeys
 
 _HOLD_DEADLINE_S = 120.0
 

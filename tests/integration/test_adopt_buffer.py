@@ -17,13 +17,14 @@ import leaks
 import pytest
 import torch
 
-from gigashuffle import DataloaderConfig, workers
-from gigashuffle.channel import Channel
-from gigashuffle.localbuffer import ServedBuffer, find_served_buffer
-from gigashuffle.meta import verified_layout
-from gigashuffle.redisconn import connect
+from gigashuffle import DataloaderConfig
+from gigashuffle.control.client import connect
+from gigashuffle.control.session import NodeSession
+from gigashuffle.control.signedmeta import verified_layout
+from gigashuffle.procs import childenv
+from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.forgottenbuffer import ServedBuffer, find_served_buffer
 from gigashuffle.schema import Layout
-from gigashuffle.session import NodeSession
 
 QUEUE = "adopt"
 
@@ -33,15 +34,15 @@ class Children:
 
     def __init__(self, redis_url: str, runtime_dir: Path) -> None:
         self.redis_url, self.runtime_dir = redis_url, runtime_dir
-        self.envs: list[workers.ChildEnv] = []
+        self.envs: list[childenv.ChildEnv] = []
         self.ends: list[Channel] = []
 
-    def env(self, config: DataloaderConfig, generation: str) -> workers.ChildEnv:
+    def env(self, config: DataloaderConfig, generation: str) -> childenv.ChildEnv:
         ours, theirs = Channel.pair()
         self.ends += [ours, theirs]
-        spec = workers.ChildSpec(role="writer", index=len(self.envs), config=config, redis_url=self.redis_url,
+        spec = childenv.ChildSpec(role="writer", index=len(self.envs), config=config, redis_url=self.redis_url,
                                  generation=generation, runtime_dir=str(self.runtime_dir))  # fmt: skip
-        env = workers.ChildEnv(spec, theirs)
+        env = childenv.ChildEnv(spec, theirs)
         self.envs.append(env)
         return env
 
@@ -55,7 +56,7 @@ class Children:
 @pytest.fixture
 def children(redis_url: str, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Children]:
     numbers = itertools.count()  # every env here shares this pid: each gets its own socket, as a process would
-    monkeypatch.setattr(workers, "attach_socket_path", lambda pid, d: d / f"attach-{pid}-{next(numbers)}.sock")
+    monkeypatch.setattr(childenv, "attach_socket_path", lambda pid, d: d / f"attach-{pid}-{next(numbers)}.sock")
     made = Children(redis_url, runtime_dir)
     yield made
     made.close()
@@ -79,7 +80,7 @@ class Forgotten:
     ``generation`` is the session joined after that."""
 
     config: DataloaderConfig
-    owner: workers.ChildEnv
+    owner: childenv.ChildEnv
     generation: str
 
 

@@ -18,17 +18,17 @@ from datasets import UniqueIds
 
 import gigashuffle
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.queuestats import queue_rows
-from gigashuffle.redisconn import connect
+from gigashuffle.control.client import connect
+from gigashuffle.tools.stats import queue_rows
 
 HEAVY = ("torch", "numpy", "redis")
 
 
 def cli(*args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m gigashuffle.cli ARGS``; GIGASHUFFLE_REDIS_URL is dropped so the defaults are what's tested."""
+    """Run ``python -m gigashuffle.tools.cli ARGS``; GIGASHUFFLE_REDIS_URL is dropped: the defaults are tested."""
     environ = {k: v for k, v in os.environ.items() if k != "GIGASHUFFLE_REDIS_URL"}
     return subprocess.run(
-        [sys.executable, "-m", "gigashuffle.cli", *args],
+        [sys.executable, "-m", "gigashuffle.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout_s, check=False, env={**environ, **(env or {})},
     )  # fmt: skip
 
@@ -47,7 +47,7 @@ def imported_modules(importtime_stderr: str) -> set[str]:
 @pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["--version"]])
 def test_help_imports_nothing_heavy(args: list[str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gigashuffle.cli", *args],
+        [sys.executable, "-X", "importtime", "-m", "gigashuffle.tools.cli", *args],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -272,7 +272,7 @@ def test_watch_follows_a_server_that_stops_and_ends_on_ctrl_c(
     try:
         next(iter(loader))
         watch = subprocess.Popen(
-            [sys.executable, "-m", "gigashuffle.cli", "stats", "--watch", "0.1", "--json", "--interval", "0"],
+            [sys.executable, "-m", "gigashuffle.tools.cli", "stats", "--watch", "0.1", "--json", "--interval", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
         )  # fmt: skip
         reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout], daemon=True)

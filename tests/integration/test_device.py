@@ -11,9 +11,10 @@ import pytest
 import torch
 from datasets import UniqueIds, check_unique_batch, take
 
-from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader, pinning
-from gigashuffle.buffer import BatchRing
-from gigashuffle.pinning import Event, Ticket, TrackedPlacement
+from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.trainer import pinning
+from gigashuffle.trainer.pinning import Event, Ticket, TrackedPlacement
 
 Batch = list[dict[str, torch.Tensor]]
 

@@ -15,7 +15,7 @@ from gpu_datasets import LateWriters
 from redis_servers import wait_until
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, GigashuffleError, MultiprocessShuffledDataloader
-from gigashuffle.keys import QueueKeys
+from gigashuffle.control.keys import QueueKeys
 
 
 def _queue(tag: str) -> str:

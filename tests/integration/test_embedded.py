@@ -14,7 +14,7 @@ import redis
 from datasets import UniqueIds, check_unique_batch, take, wait_for
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.embedded import answers
+from gigashuffle.control.embedded import answers
 
 ENV = "GIGASHUFFLE_REDIS_URL"
 

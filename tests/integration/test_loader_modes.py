@@ -27,7 +27,7 @@ from gigashuffle import (
     QueueInUseError,
     ShuffleBufferStats,
 )
-from gigashuffle.keys import QueueKeys
+from gigashuffle.control.keys import QueueKeys
 
 
 def _queue(tag: str) -> str:

@@ -1,5 +1,5 @@
-"""Filling progress of a real loader on a slow dataset: lines on ``gigashuffle.progress`` while the buffer fills to
-``min_mixing``, and none once batches flow. Content is checked, not timing."""
+"""Filling progress of a real loader on a slow dataset: lines on ``gigashuffle.trainer.progress`` while the buffer
+fills to ``min_mixing``, and none once batches flow. Content is checked, not timing."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import uuid
 import pytest
 from datasets import SlowUniqueIds, check_unique_batch, take
 
-from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader, progress
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.trainer import progress
 
 LINE = re.compile(
     r"^queue '(?P<queue>[^']+)' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows "
@@ -22,7 +23,7 @@ def test_a_slow_fill_logs_rows_rate_and_eta(
     redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.2)
-    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     queue = f"progress-{uuid.uuid4().hex[:8]}"
     # 2 writers of 4 rows every 50 ms: at least 1.6 s to reach 256 full rows, many intervals of 0.2 s.
     cfg = DataloaderConfig(
@@ -30,7 +31,7 @@ def test_a_slow_fill_logs_rows_rate_and_eta(
     )
     with MultiprocessShuffledDataloader(SlowUniqueIds(chunk=4, sleep_s=0.05), cfg) as loader:
         check_unique_batch(take(iter(loader), 1)[0], 8, 512)
-        lines = [r.getMessage() for r in caplog.records if r.name == "gigashuffle.progress"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "gigashuffle.trainer.progress"]
         progress_lines = [m for line in lines if (m := LINE.match(line))]
         assert progress_lines, f"no progress line while the buffer filled: {lines}"
         for match in progress_lines:
@@ -41,4 +42,6 @@ def test_a_slow_fill_logs_rows_rate_and_eta(
         assert "reached 256 full rows (min_mixing)" in lines[-1], lines
         count = len(lines)
         take(iter(loader), 5)
-        assert len([r for r in caplog.records if r.name == "gigashuffle.progress"]) == count, "only while filling"
+        assert len([r for r in caplog.records if r.name == "gigashuffle.trainer.progress"]) == count, (
+            "only while filling"
+        )

@@ -1,4 +1,4 @@
-"""Writer seeds as torch's DataLoader gives them (NOTE [ Seeds ] in seeds.py), seen from inside real writers:
+"""Writer seeds as torch's DataLoader gives them (NOTE [ Seeds ] in procs/seeds.py), seen from inside real writers:
 ``seed + worker id`` for random, numpy, torch and ``get_worker_info().seed``; the same streams for the same seed; a
 fresh stream for a respawned writer; and a default seed that the ranks agree on and that is logged."""
 
@@ -16,7 +16,7 @@ import pytest
 from datasets import DEADLINE_S, SeedEcho, take
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.seeds import RESTART_COUNT_ENV, RUN_ID_ENV
+from gigashuffle.procs.seeds import RESTART_COUNT_ENV, RUN_ID_ENV
 
 Batch = list[dict[str, Any]]
 FIELDS = ("seed", "initial", "py", "np", "pt")
@@ -83,7 +83,7 @@ def test_the_default_seed_is_agreed_by_the_ranks_of_a_node_and_logged(
     queue = f"seed-node-{uuid.uuid4().hex[:8]}"
     common: dict[str, Any] = dict(queue_name=queue, local_world_size=2, global_world_size=2, num_writers=1,
                                   shuffle_size=64, seed=None)  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="gigashuffle.supervisor"):
+    with caplog.at_level(logging.INFO, logger="gigashuffle.trainer.supervisor"):
         rank0 = MultiprocessShuffledDataloader(SeedEcho(), _config(redis_url, **common))
         try:
             rank1 = MultiprocessShuffledDataloader(

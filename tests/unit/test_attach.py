@@ -1,4 +1,4 @@
-"""The attach socket (NOTE [ Attach ] in attach.py): same-uid processes get the memfd, other uids get nothing."""
+"""The attach socket (NOTE [ Attach ] in procs/attach.py): same-uid processes get the memfd, other uids get nothing."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gigashuffle import AttachError, runtime
-from gigashuffle.attach import AttachServer, attach, peer_uid
-from gigashuffle.buffer import SharedMemory
-from gigashuffle.runtime import attach_socket_path
+from gigashuffle import AttachError
+from gigashuffle.host import rundir
+from gigashuffle.host.rundir import attach_socket_path
+from gigashuffle.procs.attach import AttachServer, attach, peer_uid
+from gigashuffle.shm.buffer import SharedMemory
 
 INFO = {"layout": '{"num_groups":1,"fields":[[0,"x","uint8",[4]]]}', "slots": 1024, "owner": "w0"}
 SUBPROCESS_TIMEOUT_S = 30
@@ -160,7 +161,7 @@ def test_socket_is_private(server: AttachServer, runtime_dir: Path) -> None:
     parent = os.lstat(runtime_dir)
     assert stat.S_IMODE(parent.st_mode) == 0o700
     assert parent.st_uid == os.getuid()
-    assert runtime.runtime_dir() == runtime_dir  # the directory the package itself uses
+    assert rundir.runtime_dir() == runtime_dir  # the directory the package itself uses
 
 
 def test_close_removes_the_socket_and_is_idempotent(server: AttachServer) -> None:
@@ -239,7 +240,7 @@ def test_other_uid_is_refused_by_peer_credentials(
     os.chmod(runtime_dir, 0o711)
     os.chmod(server.path, 0o666)
     try:
-        with caplog.at_level(logging.WARNING, logger="gigashuffle.attach"):
+        with caplog.at_level(logging.WARNING, logger="gigashuffle.procs.attach"):
             result = run_as_nobody(FOREIGN_CLIENT, str(server.path))
     finally:
         os.chmod(server.path, 0o600)

@@ -11,18 +11,18 @@ import psutil
 import pytest
 import torch
 
-from gigashuffle.bench import quality, runner
-from gigashuffle.bench.baselines import (
+from gigashuffle.tools.bench import quality, runner
+from gigashuffle.tools.bench.baselines import (
     CopyFloor,
     WorkerShuffleBuffer,
     copy_floor,
     dataloader_baseline,
     timed_batches,
 )
-from gigashuffle.bench.cpu import CpuMeter
-from gigashuffle.bench.shapedfloor import Shape, ring_depth, shaped_floor, writers_lead
-from gigashuffle.bench.stamps import ChunkStamps
-from gigashuffle.bench.workloads import (
+from gigashuffle.tools.bench.cpu import CpuMeter
+from gigashuffle.tools.bench.shapedfloor import Shape, ring_depth, shaped_floor, writers_lead
+from gigashuffle.tools.bench.stamps import ChunkStamps
+from gigashuffle.tools.bench.workloads import (
     ID_FIELD,
     WORKLOADS,
     FieldSpec,

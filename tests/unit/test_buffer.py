@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gigashuffle import INDEX_KEY
-from gigashuffle.buffer import RING_BUDGET_BYTES, BatchRing, SharedMemory, SlotBuffer, ring_depth_for
 from gigashuffle.schema import Layout
+from gigashuffle.shm.buffer import RING_BUDGET_BYTES, BatchRing, SharedMemory, SlotBuffer, ring_depth_for
 
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 

@@ -1,4 +1,4 @@
-"""The control-plane scripts (NOTE [ Control plane ] in scripts.py) against a real Redis server.
+"""The control-plane scripts (NOTE [ Control plane ] in control/lua.py) against a real Redis server.
 
 The slot transitions are not here: they live in the slot table (tests/unit/test_slottable.py).
 """
@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from gigashuffle import QueueStateLostError, RedisUnavailableError
-from gigashuffle.control import ControlPlane, QueueStats, check_server_version
-from gigashuffle.keys import PREFIX, QueueKeys
-from gigashuffle.queuestats import Sample, with_rates
-from gigashuffle.redisconn import Client, run_script
+from gigashuffle.control.client import Client, run_script
+from gigashuffle.control.keys import PREFIX, QueueKeys
+from gigashuffle.control.plane import ControlPlane, QueueStats, check_server_version
+from gigashuffle.tools.stats import Sample, with_rates
 
 GEN = "gen-1"
 KEYS = QueueKeys("slots-test", "n0")

@@ -11,8 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from gigashuffle import progress
-from gigashuffle.progress import FillProgress, format_eta
+from gigashuffle.trainer import progress
+from gigashuffle.trainer.progress import FillProgress, format_eta
 
 LINE = re.compile(
     r"^queue 'q' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<pct>[\d.]+)%\), "
@@ -34,11 +34,13 @@ class Tty(io.StringIO):
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "gigashuffle.progress" and r.levelno == logging.INFO]
+    return [
+        r.getMessage() for r in caplog.records if r.name == "gigashuffle.trainer.progress" and r.levelno == logging.INFO
+    ]
 
 
 def test_a_line_every_interval_with_rows_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     clock, rows = Clock(), [0]
     fill = FillProgress("queue 'q' rank 0", 2000, lambda: rows[0], interval_s=5.0, clock=clock, stream=io.StringIO())
     fill.update()  # the first probe: the rate's origin
@@ -65,7 +67,7 @@ def test_a_line_every_interval_with_rows_rate_and_eta(caplog: pytest.LogCaptureF
 
 
 def test_no_rows_yet_gives_an_unknown_eta_and_a_fast_fill_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     clock = Clock()
     fill = FillProgress("queue 'q' rank 0", 64, lambda: 0, interval_s=1.0, clock=clock, stream=io.StringIO())
     fill.update()
@@ -81,7 +83,7 @@ def test_no_rows_yet_gives_an_unknown_eta_and_a_fast_fill_says_nothing(caplog: p
 
 
 def test_closing_before_the_target_does_not_claim_it_was_reached(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     clock = Clock()
     fill = FillProgress("queue 'q' rank 0", 64, lambda: 3, interval_s=1.0, clock=clock, stream=io.StringIO())
     fill.update()
@@ -107,7 +109,7 @@ def test_a_bar_only_on_a_terminal() -> None:
 
 
 def test_without_tqdm_there_are_only_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gigashuffle.progress")
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     real = importlib.import_module
 
     def no_tqdm(name: str, package: str | None = None) -> ModuleType:

@@ -1,4 +1,4 @@
-"""Dropped batches on their way back to their readers (NOTE [ Batched frees ] in frees.py), without a loader.
+"""Dropped batches on their way back to their readers (NOTE [ Batched frees ] in trainer/dropped.py), without a loader.
 
 The children are real ``ChildProcess`` records with real rings and channels; what is checked is which ring slots
 are due to go back when, and that the count of held batches falls as soon as the trainer sees a drop.
@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from gigashuffle.buffer import BatchRing
-from gigashuffle.channel import Channel
-from gigashuffle.frees import DroppedBatches, frees_per_message
-from gigashuffle.procs import ChildProcess
+from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
+from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.trainer.dropped import DroppedBatches, frees_per_message
 
 
 def _reader(index: int, depth: int) -> ChildProcess:

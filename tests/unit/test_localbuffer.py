@@ -1,4 +1,4 @@
-"""Finding the node buffer through the runtime directory (NOTE [ A buffer Redis forgot ] in localbuffer.py)."""
+"""Finding the node buffer through the runtime directory (NOTE [ A buffer Redis forgot ], procs/forgottenbuffer.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import leaks
 import pytest
 
-from gigashuffle.attach import AttachServer
-from gigashuffle.buffer import SharedMemory
-from gigashuffle.localbuffer import attach_info, buffer_scope, find_served_buffer
-from gigashuffle.runtime import attach_socket_path
+from gigashuffle.host.rundir import attach_socket_path
+from gigashuffle.procs.attach import AttachServer
+from gigashuffle.procs.forgottenbuffer import attach_info, buffer_scope, find_served_buffer
+from gigashuffle.shm.buffer import SharedMemory
 
 FIELDS = {"layout": b'{"num_groups":1,"fields":[[0,"x","uint8",[4]]]}', "slots": b"16", "first_row": b"\x00\xff"}
 

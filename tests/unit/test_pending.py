@@ -1,4 +1,4 @@
-"""A writer's pending rows (NOTE [ Deferred commits ] in pending.py) on a real slot table, without a loader.
+"""A writer's pending rows (NOTE [ Deferred commits ] in procs/pending.py) on a real slot table, without a loader.
 
 The watcher thread is what keeps rows from staying invisible while a writer's dataset waits, so these tests wait
 for it (polls with a deadline) rather than calling it.
@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from gigashuffle.pending import PendingRows, rows_per_commit
-from gigashuffle.slottable import EMPTY, FULL, WRITING, SlotTable
+from gigashuffle.procs.pending import PendingRows, rows_per_commit
+from gigashuffle.shm.slottable import EMPTY, FULL, WRITING, SlotTable
 
 _WAIT_S = 30.0
 

@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from gigashuffle.pickling import dumps_by_value
+from gigashuffle.procs.pickling import dumps_by_value
 
 
 def test_a_by_value_class_that_names_torch_namespaces_pickles() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.buffer import BatchRing
-from gigashuffle.pinning import Event, Placement, ReleaseQueue, TrackedPlacement, placement, resolve_device
 from gigashuffle.schema import Layout
+from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.trainer.pinning import Event, Placement, ReleaseQueue, TrackedPlacement, placement, resolve_device
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gigashuffle.procs import _streaming_copies
+from gigashuffle.procs.zygoteclient import _streaming_copies
 
 _LOADER = Path("/lib64/ld-linux-x86-64.so.2")  # the x86-64 dynamic loader; it lists the tunables it parsed
 

@@ -13,20 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from gigashuffle import GigashuffleError, TamperedMetadataError, runtime
-from gigashuffle.control import ControlPlane
-from gigashuffle.keys import QueueKeys
-from gigashuffle.meta import signed_meta, verified_layout
-from gigashuffle.redisconn import Client
-from gigashuffle.runtime import (
-    attach_socket_path,
-    node_secret,
-    pid_alive,
-    remove_socket,
-    remove_stale_sockets,
-    sign,
-    verify,
-)
+from gigashuffle import GigashuffleError, TamperedMetadataError
+from gigashuffle.control.client import Client
+from gigashuffle.control.keys import QueueKeys
+from gigashuffle.control.plane import ControlPlane
+from gigashuffle.control.signedmeta import signed_meta, verified_layout
+from gigashuffle.host import rundir
+from gigashuffle.host.pids import pid_alive
+from gigashuffle.host.rundir import attach_socket_path, remove_socket, remove_stale_sockets
+from gigashuffle.host.secret import node_secret, sign, verify
 from gigashuffle.schema import Layout
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -45,7 +40,7 @@ def dead_pid() -> int:
 
 # -- runtime_dir ----------------------------------------------------------------------------------------------
 def test_runtime_dir_uses_the_env_var(runtime_dir: Path) -> None:
-    assert runtime.runtime_dir() == runtime_dir
+    assert rundir.runtime_dir() == runtime_dir
     assert mode(runtime_dir) == 0o700
 
 
@@ -53,11 +48,11 @@ def test_explicit_dir_is_created_private(tmp_path: Path, monkeypatch: pytest.Mon
     os.umask(old := os.umask(0))  # read the umask without changing it
     target = tmp_path / "a" / "b" / "gigashuffle"
     monkeypatch.setenv(ENV, str(target))
-    assert runtime.runtime_dir() == target
+    assert rundir.runtime_dir() == target
     assert mode(target) == 0o700
     assert mode(target.parent) == 0o700 & ~old
     assert os.lstat(target).st_uid == os.getuid()
-    assert runtime.runtime_dir() == target  # idempotent
+    assert rundir.runtime_dir() == target  # idempotent
 
 
 def test_xdg_runtime_dir_is_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,13 +60,13 @@ def test_xdg_runtime_dir_is_the_fallback(tmp_path: Path, monkeypatch: pytest.Mon
     xdg.mkdir(mode=0o700)
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
-    assert runtime.runtime_dir() == xdg / "gigashuffle"
+    assert rundir.runtime_dir() == xdg / "gigashuffle"
     assert mode(xdg / "gigashuffle") == 0o700
 
 
 def assert_refused(path: Path, found: str) -> None:
     with pytest.raises(GigashuffleError) as info:
-        runtime.runtime_dir()
+        rundir.runtime_dir()
     message = str(info.value)
     assert f"runtime directory {path} must be a directory owned by uid {os.getuid()} with mode 0700" in message
     assert found in message
@@ -113,7 +108,7 @@ def test_regular_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     os.chmod(path, 0o600)
     monkeypatch.setenv(ENV, str(path))
     with pytest.raises(GigashuffleError, match="must be a directory"):
-        runtime.runtime_dir()
+        rundir.runtime_dir()
 
 
 # -- node secret, signatures ----------------------------------------------------------------------------------
@@ -272,7 +267,7 @@ def _race_for_secret(directory: str, barrier: Any, results: Any) -> None:
     os.environ[ENV] = directory
     barrier.wait(timeout=30)
     try:
-        results.put(("ok", runtime.runtime_dir() == Path(directory), node_secret()))
+        results.put(("ok", rundir.runtime_dir() == Path(directory), node_secret()))
     except BaseException as exc:  # the parent asserts on what went wrong, with its text
         results.put(("error", False, repr(exc).encode()))
 

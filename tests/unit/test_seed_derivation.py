@@ -1,11 +1,11 @@
-"""NOTE [ Seeds ] in seeds.py: where a job's base seed comes from, and each writer's seed on each start."""
+"""NOTE [ Seeds ] in procs/seeds.py: where a job's base seed comes from, and each writer's seed on each start."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from gigashuffle import DataloaderConfig
-from gigashuffle.seeds import RESTART_COUNT_ENV, RUN_ID_ENV, base_seed, writer_seed
+from gigashuffle.procs.seeds import RESTART_COUNT_ENV, RUN_ID_ENV, base_seed, writer_seed
 
 
 def config(**overrides: Any) -> DataloaderConfig:

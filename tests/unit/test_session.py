@@ -1,4 +1,4 @@
-"""NodeSession (NOTE [ Node sessions ] in session.py): rank claims, generations, takeover, heartbeat, leaving."""
+"""NodeSession (NOTE [ Node sessions ] in control/session.py): rank claims, generations, takeover, leaving."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from redis_servers import wait_until
 
-from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError, dummy
-from gigashuffle import session as session_mod
-from gigashuffle.keys import QueueKeys
-from gigashuffle.redisconn import Client
-from gigashuffle.runtime import pid_alive
-from gigashuffle.session import LEASE_MS, NodeSession, shared_conf
+from gigashuffle import ConfigMismatchError, DataloaderConfig, GigashuffleError, QueueInUseError
+from gigashuffle.control import dummyrow
+from gigashuffle.control import session as session_mod
+from gigashuffle.control.client import Client
+from gigashuffle.control.keys import QueueKeys
+from gigashuffle.control.session import LEASE_MS, NodeSession, shared_conf
+from gigashuffle.host.pids import pid_alive
 
 QUEUE = "sess-q"
 NODE0 = QueueKeys(QUEUE, "n0")
@@ -248,7 +249,7 @@ def test_last_leave_deletes_every_key_of_the_queue(
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
     store.record_counts((6, 2, 4, 4, 2))
-    assert dummy.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
+    assert dummyrow.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}
     assert ours == expected

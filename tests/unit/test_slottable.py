@@ -15,10 +15,10 @@ import pytest
 from slot_audit import lock_is_free
 
 from gigashuffle import NodeLockBusy
-from gigashuffle.buffer import SharedMemory
-from gigashuffle.reader import draw_batches as reader_draw
-from gigashuffle.slotpick import SlotPicker
-from gigashuffle.slottable import (
+from gigashuffle.procs.reader import draw_batches as reader_draw
+from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.picker import SlotPicker
+from gigashuffle.shm.slottable import (
     EMPTY,
     FULL,
     READING,
@@ -302,16 +302,16 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
         me = os.getpid()
         got, _ = table.draw_full(me, 6)
         with table._locked():
-            from gigashuffle import slotjournal
+            from gigashuffle.shm import journal
 
-            table._header[3:5] = (slotjournal.OP_RELEASE_EVICT, me)
-            table._header[slotjournal.H_JFULL] = 4  # an evicting release leaves the 4 full slots as they are
-            table._header[slotjournal.H_JEMPTY] = 6  # and empties the 6 it held
+            table._header[3:5] = (journal.OP_RELEASE_EVICT, me)
+            table._header[journal.H_JFULL] = 4  # an evicting release leaves the 4 full slots as they are
+            table._header[journal.H_JEMPTY] = 6  # and empties the 6 it held
             table._journal.ids[: len(got)] = got
             if applied != "none":
                 table._header[2] = len(got)  # the commit point
                 part = got[:3] if applied == "half" else got
-                table._journal.apply(slotjournal.OP_RELEASE_EVICT, me, part)
+                table._journal.apply(journal.OP_RELEASE_EVICT, me, part)
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -333,18 +333,18 @@ def test_kill_inside_a_commit_rolls_forward_keeping_the_versions_stamped_at_acqu
     table = SlotTable(8, seed=11)
 
     def die_in_commit() -> int:
-        from gigashuffle import slotjournal
+        from gigashuffle.shm import journal
 
         me = os.getpid()
         ids = table.acquire_empty(me, 8)  # allots versions 1..8, stamped on the slots after the lock is released
         with table._locked():
             table._journal.ids[:8] = ids
-            table._header[3:5] = (slotjournal.OP_COMMIT, me)
-            table._header[slotjournal.H_JCOUNT] = 8  # rows written once the commit is applied
-            table._header[slotjournal.H_JFULL] = 8  # and full slots
-            table._header[slotjournal.H_JEMPTY] = 0  # none empty, as the acquire left it
+            table._header[3:5] = (journal.OP_COMMIT, me)
+            table._header[journal.H_JCOUNT] = 8  # rows written once the commit is applied
+            table._header[journal.H_JFULL] = 8  # and full slots
+            table._header[journal.H_JEMPTY] = 0  # none empty, as the acquire left it
             table._header[2] = 8
-            table._journal.apply(slotjournal.OP_COMMIT, me, ids[:5])  # which sets it; the roll-forward again
+            table._journal.apply(journal.OP_COMMIT, me, ids[:5])  # which sets it; the roll-forward again
             os.kill(me, signal.SIGKILL)
         return 1
 
@@ -366,18 +366,18 @@ def test_kill_inside_an_acquire_moves_the_version_clock_once() -> None:
     table = SlotTable(8, seed=12)
 
     def die_in_acquire() -> int:
-        from gigashuffle import slotjournal
+        from gigashuffle.shm import journal
 
         me = os.getpid()
         ids = np.arange(4, dtype=np.intp)
         with table._locked():
             table._journal.ids[:4] = ids
-            table._header[3:5] = (slotjournal.OP_ACQUIRE, me)
-            table._header[slotjournal.H_JCOUNT] = 4  # the clock once versions 1..4 are allotted
-            table._header[slotjournal.H_JFULL] = 0
-            table._header[slotjournal.H_JEMPTY] = 4
+            table._header[3:5] = (journal.OP_ACQUIRE, me)
+            table._header[journal.H_JCOUNT] = 4  # the clock once versions 1..4 are allotted
+            table._header[journal.H_JFULL] = 0
+            table._header[journal.H_JEMPTY] = 4
             table._header[2] = 4  # the commit point
-            table._journal.apply(slotjournal.OP_ACQUIRE, me, ids[:2])  # sets the clock; the roll-forward sets it again
+            table._journal.apply(journal.OP_ACQUIRE, me, ids[:2])  # sets the clock; the roll-forward sets it again
             os.kill(me, signal.SIGKILL)
         return 1
 

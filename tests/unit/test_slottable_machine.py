@@ -9,7 +9,7 @@ A step is a *round*: any subset of the actors runs one command each, all at once
 node lock. Writers acquire empty slots or write and commit the ones they hold; readers draw a batch or release the
 one they hold (with or without eviction); any actor may run ``repair()`` instead, as trainers do periodically. Up
 to two of them run their command under a trace function that counts the lines executed in the slot table's
-modules (slottable.py, slotjournal.py, nodelock.py, slotpick.py) and
+modules (shm/slottable.py, journal.py, shm/nodelock.py, picker.py) and
 SIGKILLs the process at line ``k`` (drawn by hypothesis): a kill anywhere in the transition -- before the lock,
 with it held before or after the journal's commit point, half-way through applying the op, after the unlock, or
 while rolling forward the op another victim left half-done -- without the test repeating the implementation's
@@ -57,8 +57,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from slot_audit import lock_is_free
 
-from gigashuffle import nodelock, slotjournal, slotpick, slottable
-from gigashuffle.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, TableSnapshot
+from gigashuffle.shm import journal, nodelock, picker, slottable
+from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, TableSnapshot
 
 SLOTS = 10  # small, so that writers run out of empty slots and draws meet the min_full threshold
 WRITER, READER = "writer", "reader"
@@ -97,20 +97,20 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-# The transitions run in slottable.py and their journal in slotjournal.py, the lock in nodelock.py and the slot
-# searches in slotpick.py: kills land on lines of all four (an op runs about as many lines as when they were one
+# The transitions run in shm/slottable.py and their journal in journal.py, the lock in shm/nodelock.py and the slot
+# searches in picker.py: kills land on lines of all four (an op runs about as many lines as when they were one
 # module, so KILL_AT keeps its meaning).
-_TRACED = frozenset({slottable.__file__, slotjournal.__file__, nodelock.__file__, slotpick.__file__})
+_TRACED = frozenset({slottable.__file__, journal.__file__, nodelock.__file__, picker.__file__})
 # Every actor pid not yet reaped, whichever example forked it: the fixture kills what an aborted example left.
 _UNREAPED: set[int] = set()
 
 
 def _line_of(text: str) -> tuple[str, int]:
-    """The file and line of nodelock.py containing ``text``; only used to tell whether a kill held the lock."""
+    """The file and line of shm/nodelock.py containing ``text``; only used to tell whether a kill held the lock."""
     for number, line in enumerate(linecache.getlines(nodelock.__file__), start=1):
         if text in line:
             return nodelock.__file__, number
-    raise AssertionError(f"{text!r} is no longer in nodelock.py: update the test's lock lines")
+    raise AssertionError(f"{text!r} is no longer in shm/nodelock.py: update the test's lock lines")
 
 
 _TAKE_LOCK = _line_of("fcntl.flock(self._fd, fcntl.LOCK_EX)")
@@ -745,8 +745,8 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert snapshot == TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
                                          int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
         assert snapshot.empty + snapshot.writing + snapshot.full + snapshot.reading == SLOTS
-        assert int(table._header[slotjournal.H_FULL]) == counts[FULL], "the stored count of full slots drifted"
-        assert int(table._header[slotjournal.H_EMPTY]) == counts[EMPTY], "the stored count of empty slots drifted"
+        assert int(table._header[journal.H_FULL]) == counts[FULL], "the stored count of full slots drifted"
+        assert int(table._header[journal.H_EMPTY]) == counts[EMPTY], "the stored count of empty slots drifted"
 
         expected = np.full(SLOTS, EMPTY, dtype=np.uint8)
         for slot, (token, written) in self.live.items():

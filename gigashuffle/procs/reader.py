@@ -1,0 +1,166 @@
+"""The reader loop: gather random full slots into the ring, tell the trainer which ring slot is ready.
+
+NOTE [ Reader cycle ]
+The trainer maps the reader's ring (its fd crosses once, at start); then only ``BatchReady`` (the ring slots of one
+draw's batches, in one message) and later ``FreeSlot`` cross the channel, and nothing goes to Redis. Per hold of the
+node lock the reader draws the slots of as many batches as it has free ring slots, up to
+``shuffle_size // (8 * bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and
+larger ones leave the lock free more often, and a reader never holds more than an eighth of the buffer).
+``draw_full`` takes them uniformly at random among the full slots (``reading`` under this pid, once at least
+``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs``
+rows each, without any lock held; ``release_read`` returns the slots (to empty, or to full when
+evict_on_read=False), and only then are the batches announced. With free ring slots left, that release and the next
+draw share one hold of the lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots,
+which ``repair()`` returns to full (never delivered); killed between release and announcement, its batches are
+dropped, never delivered twice. The reader draws only for free ring slots, so a reader blocked on a slow trainer
+holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight
+(NOTE [ Ring depth ] in shm/buffer.py).
+
+Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
+docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
+7.3-8.2 -> 6.3-6.8 CPU-us per row (the trainer too is woken once per draw), tiny 2.9-3.1M -> 3.6M rows/s.
+
+With fill_once=True the reader waits for a full buffer, then gathers this rank's share of the slots in slot
+order, once per pass the trainer asks for, drawing nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+
+import numpy as np
+
+from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.messages import BatchReady, FreeSlot, PassEnd, Rejoin, RingReady, StartPass, ToChild
+from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
+from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5
+# A reader holds at most one in this many of the buffer's slots at once (NOTE [ Reader cycle ]).
+_HELD_ONE_IN = 8
+
+
+def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
+    layout = env.attach_buffer()
+    if env.buffer is None or env.table is None:
+        raise AssertionError("reader has no buffer after attach")
+    if env.table.slots != env.buffer.slots:  # _gather relies on it: every id the table hands out is a row
+        raise AssertionError(f"slot table of {env.table.slots} slots for a buffer of {env.buffer.slots}")
+    ring = BatchRing(layout, env.config.bs, ring_depth_for(env.config.ring_depth, layout, env.config.bs))
+    fd = ring.memory.fd
+    if fd is None:
+        raise AssertionError("a new ring has no fd")
+    env.channel.send(RingReady(ring.nbytes, layout.to_json(), ring.depth), (fd,))
+    ring.memory.close_fd()
+    return env.buffer, env.table, ring
+
+
+def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, versions: Versions) -> None:
+    fields, index, kept_versions = ring.targets(k)
+    buffer.gather(slots, fields, ids_in_range=True)  # drawn from the table, which _open_ring matched to the buffer
+    index[:] = slots
+    kept_versions[:] = versions
+
+
+def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
+    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first) and apply a ``Rejoin``; return any
+    other messages."""
+    others: list[ToChild] = []
+    timeout = block_s
+    while env.channel.poll(timeout):
+        message, _ = env.channel.recv()
+        if isinstance(message, FreeSlot):
+            free.extend(message.ks)
+        elif isinstance(message, Rejoin):
+            env.rejoin(message.generation)
+        else:
+            others.append(message)
+        timeout = 0
+    return others
+
+
+def run(spec: ChildSpec, channel: Channel) -> None:
+    env = ChildEnv(spec, channel)
+    try:
+        buffer, table, ring = _open_ring(env)
+        if spec.config.fill_once:
+            _serve_passes(env, buffer, table, ring)
+        else:
+            _stream(env, buffer, table, ring)
+    finally:
+        env.close()
+
+
+def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
+    cfg = env.config
+    me = os.getpid()
+    bs, min_full, evict = cfg.bs, cfg.min_full_slots, cfg.evict_on_read  # min_full_slots is computed per access
+    most = max(1, cfg.shuffle_size // (_HELD_ONE_IN * bs))  # batches per draw
+    free: deque[int] = deque(range(ring.depth))
+    backoff = Backoff()
+    chores = Housekeeping(env)
+    drawn: tuple[SlotIds, Versions] | None = None  # the next batches' slots, drawn with the last release
+    while True:
+        _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
+        chores.tick()
+        if drawn is None:
+            if not free:
+                continue
+            drawn = draw_batches(table, me, bs, min(len(free), most), min_full)
+            if drawn is None:
+                backoff.sleep()
+                continue
+        backoff.reset()
+        slots, versions = drawn
+        ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
+        for i, k in enumerate(ring_slots):
+            _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
+        if free:
+            want = min(len(free), most) * bs
+            released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
+            drawn = (next_slots, next_versions) if len(next_slots) else None
+        else:
+            released, drawn = table.release_read(me, slots, evict), None
+        if released != len(slots):
+            raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
+        env.channel.send(BatchReady(tuple(ring_slots)))
+
+
+def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int) -> tuple[SlotIds, Versions] | None:
+    """Slots for ``batches`` batches, or for one when too few are full for that many; None when none can be drawn."""
+    for count in (batches, 1) if batches > 1 else (1,):
+        slots, versions = table.draw_full(me, count * bs, min_full)
+        if len(slots):
+            return slots, versions
+    return None
+
+
+def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
+    cfg = env.config
+    backoff = Backoff(cap_s=0.05)
+    chores = Housekeeping(env)
+    while table.counts()[2].full < cfg.shuffle_size:  # the header's count: a poll that takes no lock
+        chores.tick()
+        backoff.sleep()
+    per_rank = cfg.shuffle_size // cfg.local_world_size
+    first = cfg.local_rank * per_rank
+    order = np.arange(first, first + per_rank, dtype=np.intp)
+    batches = per_rank // cfg.bs
+    free: deque[int] = deque(range(ring.depth))
+    while True:
+        for message in _take_frees(env, free, _IDLE_POLL_S):
+            if not isinstance(message, StartPass):
+                continue
+            for b in range(batches):
+                while not free:
+                    _take_frees(env, free, _IDLE_POLL_S)
+                k = free.popleft()
+                ids = order[b * cfg.bs : (b + 1) * cfg.bs]
+                _gather(buffer, ring, k, ids, table.version[ids])
+                env.channel.send(BatchReady((k,)))
+            env.channel.send(PassEnd(message.number))

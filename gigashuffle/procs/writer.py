@@ -1,0 +1,301 @@
+"""The writer loop: pull chunks from the dataset, copy their rows into empty slots, publish them.
+
+NOTE [ Writer cycle ]
+Per chunk: the rows are copied, one row assignment per field and without any lock held, into empty slots the
+writer holds as ``writing``, and join the rows pending publication. Once per ``rows_per_commit`` rows (four fast
+chunks; every chunk for a small buffer or a chunk that was not reserved), one hold of the node lock both publishes
+the pending rows (``full``, each with a new version) and reserves the slots for the next ones, if that many are
+empty (``commit_and_acquire``: two journaled ops). Rows copied never stay invisible while the writer waits: it
+publishes before it takes or waits for more slots and before it idles, and a thread publishes rows left pending
+for 10 ms while the writer is inside its dataset (NOTE [ Deferred commits ] in procs/pending.py). What a writer holds
+while its dataset waits is otherwise empty slots. A shorter next chunk leaves the rest reserved for the one
+after; a longer one, or one with no reservation (the buffer was nearly full), acquires what it lacks as it goes
+(``acquire_empty``, as many as are empty, publishing what is pending first). A writer about to idle on an empty
+share gives its reservation back (``give_back``). A writer reserves only while the slots full or empty without
+its reservation still number ``min_full_slots``: a reservation held while the source waits for data must not keep
+the buffer from the readers' threshold (with fill_once, every slot: it reserves nothing ahead and publishes every
+chunk). When nothing is empty the writer backs off from 0.5 ms and meanwhile answers the trainer's messages. No
+Redis. A writer killed mid-copy leaves ``writing`` slots under its pid, which ``repair()`` returns to empty (their
+rows may be torn), reserved and pending ones included.
+
+NOTE [ Empty shares ]
+Writers see a job-wide ``get_worker_info()``, so a source that shards by worker (Hugging Face ``datasets``,
+webdataset's ``split_by_worker``) gives a writer nothing when it has fewer shards than the job has writers: every
+pass ends at once. After ``writer_max_retries`` such passes in a row the writer idles on its channel (no busy
+loop, still answering ``state_dict``), and tries its dataset again after ``load_state_dict`` or a new training
+context; it is not a failure. Only if no writer of the node publishes the buffer within a grace period is the
+node's data empty, which is an error. Chunks with zero rows still count towards ``writer_max_retries`` and fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils import worker as torch_worker
+
+from gigashuffle.control import dummyrow
+from gigashuffle.errors import SchemaError
+from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.forgottenbuffer import find_served_buffer
+from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.pending import PendingRows, rows_per_commit
+from gigashuffle.procs.seeds import writer_seed
+from gigashuffle.schema import Layout
+from gigashuffle.shm.picker import NO_IDS
+from gigashuffle.shm.slottable import SlotIds, SlotTable
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 1.0
+# Between chunks a writer reads the trainer's messages (a state request waits for the answer) at most this often.
+_CONTROL_PERIOD_S = 0.001
+# How long a writer with an empty share waits for another writer of its node to publish the buffer before it
+# calls the whole node's data empty: generous, since a peer's first chunk may need a slow download.
+_EMPTY_SHARE_GRACE_S = 300.0
+
+
+class _Chunks:
+    """The dataset's chunks, forever: an ended iterator starts the next pass; too many empty chunks is an error.
+
+    A writer whose share of the dataset is empty (a sharded source with fewer shards than the job has writers:
+    every pass ends without a single chunk) idles instead, once another writer has published the node's buffer:
+    see NOTE [ Empty shares ].
+    """
+
+    def __init__(self, spec: ChildSpec, env: ChildEnv) -> None:
+        self.dataset = spec.dataset
+        self.env = env
+        self.limit = spec.config.writer_max_retries
+        self._it: Iterator[Any] | None = None
+        self._yielded = False  # whether the current pass has yielded any chunk
+        # Called before the writer idles on an empty share: it must not keep empty slots reserved meanwhile.
+        self.before_idle: Callable[[], None] = _nothing
+
+    def restart(self) -> None:
+        self._it = None
+
+    def next(self) -> Any:
+        empty = barren = 0  # empty chunks or passes in a row; how many of them were passes without any chunk
+        while True:
+            if self._it is None:
+                self._it = iter(self.dataset)
+                self._yielded = False
+            try:
+                chunk = next(self._it)
+                self._yielded = True
+            except StopIteration:
+                self._it = None
+                chunk = None
+                barren += not self._yielded
+            if chunk is not None and not _is_empty(chunk):
+                return chunk
+            empty += 1
+            if empty > self.limit and barren == empty:
+                self._idle(barren)
+                empty = barren = 0
+            elif empty > self.limit:
+                raise SchemaError(
+                    f"the dataset produced {empty} empty chunks or passes in a row (writer_max_retries="
+                    f"{self.limit}); make its __iter__ yield chunks with at least one row"
+                )
+
+    def _idle(self, passes: int) -> None:
+        """Wait, serving the trainer, until a new context or dataset state may give this writer rows again."""
+        info = torch_worker._worker_info
+        who = f"writer {self.env.spec.index} (get_worker_info().id={info.id} of {info.num_workers})" if info else ""
+        cfg = self.env.config
+        log.info(
+            "%s of queue %r: the dataset ended %d passes in a row without a chunk, so this writer's share is empty "
+            "(a source with fewer shards than the job's writers?); it idles until load_state_dict or a new "
+            "training context",
+            who, cfg.queue_name, passes,
+        )  # fmt: skip
+        self.before_idle()
+        if dummyrow.is_dummy_writer(cfg, self.env.spec.index):
+            env = self.env
+            dummyrow.publish_absent(env.client, env.store.keys, env.secret, env.spec.generation, env.proc)
+        deadline = time.monotonic() + _EMPTY_SHARE_GRACE_S
+        published = False
+        while True:
+            if self.env.channel.poll(_IDLE_POLL_S) and _handle_control(self.env, self):
+                return
+            if published:
+                continue
+            published = "hmac" in self.env.store.meta()
+            if not published and time.monotonic() > deadline:
+                raise SchemaError(
+                    f"{who}: the dataset ended {passes} passes in a row without a chunk (writer_max_retries="
+                    f"{self.limit}) and no writer of node {cfg.node!r} produced a row within "
+                    f"{_EMPTY_SHARE_GRACE_S:.0f} s: the dataset is empty, or its shards are fewer than the job's "
+                    "writers and none fell to this node; add shards or use fewer writers"
+                )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _is_empty(chunk: Any) -> bool:
+    try:
+        first = next(iter(chunk[0].values()))
+        return len(first) == 0
+    except (TypeError, IndexError, KeyError, StopIteration, AttributeError):
+        return False  # malformed: let the layout check explain what is wrong
+
+
+def _set_worker_info(spec: ChildSpec) -> int:
+    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job, and seed
+    ``random``, numpy and torch with its seed (NOTE [ Seeds ] in procs/seeds.py)."""
+    cfg = spec.config
+    worker_id = cfg.global_rank * cfg.num_writers + spec.index
+    num_workers = cfg.global_world_size * cfg.num_writers
+    seed = writer_seed(spec.seed, worker_id, num_workers, spec.start)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits, as torch's docs suggest for workers
+    torch.manual_seed(seed)
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id, num_workers=num_workers, seed=seed, dataset=spec.dataset
+    )
+    return worker_id
+
+
+def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
+    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state)."""
+    dataset = env.spec.dataset
+    changed = False
+    while env.channel.poll(0):
+        message, _ = env.channel.recv()
+        if isinstance(message, SetContext):
+            dataset.context = message.context
+            changed = True
+        elif isinstance(message, LoadState):
+            dataset.load_state_dict(message.state)
+            chunks.restart()
+            changed = True
+        elif isinstance(message, StateRequest):
+            env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
+        elif isinstance(message, Rejoin):
+            env.rejoin(message.generation)
+        else:
+            log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    return changed
+
+
+def run(spec: ChildSpec, channel: Channel) -> None:
+    _set_worker_info(spec)
+    if spec.has_context:
+        spec.dataset.context = spec.context
+    if spec.dataset_state is not None:
+        spec.dataset.load_state_dict(spec.dataset_state)
+    env = ChildEnv(spec, channel)
+    try:
+        _run(spec, env)
+    finally:
+        env.close()
+
+
+def _run(spec: ChildSpec, env: ChildEnv) -> None:
+    chunks = _Chunks(spec, env)
+    _handle_control(env, chunks)
+    chunk = chunks.next()
+    layout = Layout.from_chunk(chunk)
+    if env.store.meta().get("layout") is None:
+        served = find_served_buffer(env.runtime_dir, env.scope)  # NOTE [ A buffer Redis forgot ]
+        held = env.adopt_buffer(served) if served is not None else None
+        if held is None:  # no live buffer of this queue on this node (or none that fits): allocate one
+            _rows, as_bytes = layout.rows_in(chunk)
+            first_row = b"".join(field[0].numpy().tobytes() for field in as_bytes)
+            held = env.publish_buffer(layout, first_row)
+        if not held:
+            env.attach_buffer()
+    else:
+        env.attach_buffer()
+    published, meta = env.read_meta()
+    if published != layout:
+        raise SchemaError(
+            f"this writer's chunks have layout [{layout.describe()}] but the buffer of queue "
+            f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
+            "must yield the same fields, dtypes and row shapes"
+        )
+    env.channel.send(Attached())
+    if dummyrow.is_dummy_writer(spec.config, spec.index):
+        env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
+        dummyrow.publish_row(env.client, env.store.keys, env.secret, spec.generation, *env.dummy_row, env.proc)
+    _write_forever(env, chunks, chunk, layout)
+
+
+def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
+    buffer, table = env.buffer, env.table
+    if buffer is None or table is None:
+        raise AssertionError("writer has no buffer after attach")
+    me = os.getpid()
+    reserved = _Reservation(table, me)
+    chores = Housekeeping(env)
+    backoff = Backoff()
+    min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
+    control_due = 0.0  # when the trainer's messages are next read between chunks
+    with PendingRows(table, me) as pending:
+
+        def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
+            pending.publish()
+            reserved.give_back()
+
+        chunks.before_idle = before_idle
+        while True:
+            rows, as_bytes = layout.rows_in(chunk)
+            done = 0
+            while done < rows:
+                if not reserved.held():
+                    pending.publish()  # before this writer takes more slots, or waits for them
+                    reserved.add(table.acquire_empty(me, rows - done))
+                    if not reserved.held():
+                        _handle_control(env, chunks)
+                        chores.tick()
+                        backoff.sleep()
+                        continue
+                backoff.reset()
+                slots = reserved.take(rows - done)
+                buffer.write(slots, as_bytes, done)
+                done += len(slots)
+                pending.add(slots)
+            per_commit = rows_per_commit(rows, buffer.slots)
+            if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
+                reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))
+            now = time.monotonic()
+            if now >= control_due:  # a poll syscall per fast chunk was ~1% of a tiny row's CPU
+                control_due = now + _CONTROL_PERIOD_S
+                chores.tick()
+                _handle_control(env, chunks)
+            chunk = chunks.next()
+
+
+class _Reservation:
+    """Empty slots this writer holds (``writing`` under its pid) for its next rows: NOTE [ Writer cycle ]."""
+
+    def __init__(self, table: SlotTable, me: int) -> None:
+        self.table = table
+        self.me = me
+        self.ids: SlotIds = NO_IDS
+
+    def held(self) -> int:
+        return len(self.ids)
+
+    def add(self, ids: SlotIds) -> None:
+        self.ids = np.concatenate([self.ids, ids]) if len(self.ids) else ids
+
+    def take(self, n: int) -> SlotIds:
+        taken, self.ids = self.ids[:n], self.ids[n:]
+        return taken
+
+    def give_back(self) -> None:
+        if len(self.ids):
+            self.table.give_back(self.me, self.ids)
+            self.ids = self.ids[:0]

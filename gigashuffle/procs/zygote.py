@@ -1,0 +1,157 @@
+"""The zygote: a fresh interpreter per loader that imports torch once and forks the loader's children.
+
+NOTE [ Why a zygote ]
+Spawning each child costs a full interpreter start plus ``import torch`` (seconds, and ~160 MB of private
+memory per child). Forking the trainer is fast but unsafe once it has started CUDA or threads. The zygote is
+exec'ed fresh (so it is CUDA-safe), takes the trainer's sys.path and working directory, imports torch once, then
+forks each child from that clean state: start-up costs one interpreter start, and children share torch's pages
+copy-on-write. It never imports the trainer's main module (see NOTE [ Pickling the dataset ] in procs/pickling.py).
+
+Lifetime: the zygote watches its channel to the trainer; when the trainer closes it or dies, the zygote kills
+its children and exits. Children get PR_SET_PDEATHSIG(SIGKILL) against the single-threaded zygote, so nothing
+outlives a SIGKILLed trainer by more than a poll interval. The zygote reports each child's exit status to the
+trainer, which owns all recovery decisions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing.spawn
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from gigashuffle.procs.channel import Channel, ChannelClosed
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(expected_parent: int) -> None:
+    """Die with SIGKILL when the parent dies; exit now if it already has (the race before prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def _reap(trainer: Channel, children: dict[int, int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.pop(pid, None)
+        trainer.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+
+
+def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -> int:
+    zygote_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(control_fd)
+        return pid
+    code = 1
+    try:
+        set_parent_death_signal(zygote_pid)
+        trainer.close()  # the trainer must see EOF on the zygote's channel when the zygote dies
+        from gigashuffle.procs import childmain
+
+        code = childmain.child_main(payload, title, control_fd)
+    finally:
+        os._exit(code)
+
+
+def serve(trainer: Channel) -> None:
+    # Unreaped children: pid -> spawn request number. An entry goes when its child is reaped, so a week of
+    # restarts leaves nothing behind, and a kill by request number can never reach a reused pid.
+    children: dict[int, int] = {}
+    try:
+        while True:
+            _reap(trainer, children)
+            if not trainer.poll(_POLL_S):
+                continue
+            message, fds = trainer.recv()
+            if message[0] == "spawn":
+                _kind, seq, payload, title = message
+                pid = _fork_child(trainer, payload, title, fds[0])
+                children[pid] = seq
+                trainer.send(("spawned", seq, pid))
+            elif message[0] == "kill":
+                # By request number, and only while unreaped: the pid cannot have been reused by then.
+                for pid, seq in children.items():
+                    if seq == message[1]:
+                        os.kill(pid, signal.SIGKILL)
+                        break
+    except (ChannelClosed, ConnectionError):
+        pass  # the trainer closed us or died: take the children down with us
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                continue
+        # A SIGKILLed trainer cannot remove its children's attach sockets; the children are gone now, so do it.
+        from gigashuffle.errors import GigashuffleError
+        from gigashuffle.host.rundir import attach_socket_path, remove_socket
+
+        try:
+            for pid in children:
+                remove_socket(attach_socket_path(pid))
+        except (OSError, GigashuffleError) as exc:
+            log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    trainer = Channel(socket.socket(fileno=int(argv[0])))
+    preparation: dict[str, Any]
+    try:
+        preparation, _ = trainer.recv()
+    except (ChannelClosed, OSError):
+        return 0  # the loader was closed before it told us anything
+    title = preparation.pop("gigashuffle_title", "gigashuffle zygote")
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        log.debug("setproctitle is not installed; process titles stay unchanged")
+    # The trainer's sys.path and working directory, so that its modules import here by name; its main module
+    # was left out of the preparation on purpose. Then import torch once for every child.
+    multiprocessing.spawn.prepare(preparation)
+    import torch  # noqa: F401
+
+    from gigashuffle.procs import (
+        pickling,  # noqa: F401  (child: the loops, the slot table and the control plane)
+    )
+
+    try:
+        trainer.send(("ready", os.getpid()))
+    except OSError:
+        return 0  # the loader was closed while we started: nothing to serve
+    serve(trainer)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    # Skip interpreter teardown: with torch imported it takes 1-2 s on a busy machine, and the zygote must be gone
+    # as soon as its children are (a SIGKILLed trainer's processes all go within 2 s; close() waits for us).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

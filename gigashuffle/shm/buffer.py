@@ -1,0 +1,300 @@
+"""Shared memory for the node buffer and the reader rings, and the two copies the loader makes.
+
+NOTE [ Shared memory without names ]
+Every shared region is an anonymous ``memfd`` mapped ``MAP_SHARED``. It has no name in ``/dev/shm``, so a
+killed process cannot leak one: the kernel frees the memory when the last fd and mapping of it go away. Other
+processes get it by fd passing (SCM_RIGHTS, see ``procs/attach.py``), which is the mechanism torch's
+``file_descriptor`` sharing strategy uses, without pickling tensors over the socket.
+
+Each field is stored as raw bytes, ``uint8 [rows, row_bytes]``, so writing a chunk and gathering a batch are one
+vectorized copy per field for every dtype (bfloat16, bool and float8 included).
+
+NOTE [ Row copies ]
+Both copies see a field as a 1-D numpy array with one element per row (``row_elements``): the unsigned integer of
+the row's size for rows of 1, 2, 4 or 8 bytes, else a ``void`` scalar of ``row_bytes``, which numpy moves as one
+block. A write is then ``put`` of the chunk's rows into the slot ids, a gather ``take`` of the slot ids into a
+ring slot. One element per row is what makes them cheap: a fancy assignment into a ``[slots, row_bytes // 8]``
+int64 view walks an index iterator over every 8-byte word, and torch's ``index_select`` pays its dispatch and a
+per-row loop. Measured on the 2-core VM of docs/benchmarks.md (1,024 random rows, medians of 5): a write of
+64-byte rows 9.5 -> 2.6 us, of 32-byte rows 15.6 -> 2.8 us; a gather of 64-byte rows 4.7 -> 3.4 us, of 8-byte rows
+7.2 -> 3.8 us; 150 KB rows cost the same either way (the copy is the memory traffic). ``take`` runs with
+``mode="clip"``: with ``"raise"`` numpy gathers into a temporary and copies it again (3x the time on 8 KB rows),
+so the gather checks the ids' range itself, which costs one ``min`` and one ``max`` over the ids (a reader skips
+it for the ids its own slot table drew, which are rows of this buffer by construction).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from gigashuffle.schema import INDEX_KEY, Layout
+
+SlotIdArray = npt.NDArray[np.integer[Any]]
+
+_ALIGN = 64  # cache line: keeps every field region aligned for any dtype and for vectorised copies
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+_ROW_INTS: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+
+def row_elements(rows: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
+    """``rows`` (``uint8 [n, row_bytes]``) as a 1-D array of ``n`` elements, each one whole row, sharing memory:
+    NOTE [ Row copies ]."""
+    n, row_bytes = rows.shape
+    if rows.strides[1] != 1 and row_bytes > 1:
+        raise ValueError(f"a field's rows must be contiguous bytes, got strides {rows.strides}")
+    dtype: np.dtype[Any] = _ROW_INTS.get(row_bytes) or np.dtype((np.void, row_bytes))
+    elements: npt.NDArray[Any] = rows.view(dtype).reshape(n)
+    return elements
+
+
+def _as_numpy(rows: torch.Tensor | npt.NDArray[Any]) -> npt.NDArray[Any]:
+    return rows.numpy() if isinstance(rows, torch.Tensor) else rows
+
+
+class SharedMemory:
+    """One anonymous shared mapping. ``fd`` stays open only while this process may hand it to others."""
+
+    def __init__(self, nbytes: int, fd: int | None = None, name: str = "gigashuffle") -> None:
+        if nbytes <= 0:
+            raise ValueError(f"shared memory size must be positive, got {nbytes}")
+        if fd is None:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"shared memory fd {fd} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        self.nbytes = nbytes
+        self.fd: int | None = fd
+        # The mapping lives as long as any tensor made from it (torch keeps a reference to the exporter), so a
+        # batch the caller still holds stays valid after close().
+        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` tensor over ``[offset, offset + nbytes)`` of the mapping."""
+        if self._map is None:
+            raise ValueError("shared memory is closed")
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def numpy_view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        if self._map is None:
+            raise ValueError("shared memory is closed")
+        return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        """Drop this object's hold on the memory; live tensor views keep the mapping until they die."""
+        self.close_fd()
+        self._map = None
+
+
+def _field_offsets(layout: Layout, rows: int) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for spec in layout.fields:
+        offsets.append(total)
+        total += _align(rows * spec.row_bytes)
+    return offsets, total
+
+
+class SlotBuffer:
+    """The node-wide buffer: ``slots`` rows of ``layout``, one byte region per field."""
+
+    def __init__(self, layout: Layout, slots: int, memory: SharedMemory | None = None) -> None:
+        offsets, total = _field_offsets(layout, slots)
+        self.layout = layout
+        self.slots = slots
+        self.nbytes = total
+        self.memory = memory or SharedMemory(total, name="gigashuffle-buffer")
+        self.regions = [
+            self.memory.view(off, slots * spec.row_bytes).view(slots, spec.row_bytes)
+            for off, spec in zip(offsets, layout.fields, strict=True)
+        ]
+        # One element per row and field: NOTE [ Row copies ].
+        self._rows = [row_elements(region.numpy()) for region in self.regions]
+
+    def write(self, slot_ids: torch.Tensor | SlotIdArray, rows: Sequence[torch.Tensor], start: int) -> None:
+        """Copy ``rows[f][start : start + len(slot_ids)]`` (``uint8 [n, row_bytes]`` per field) into the given
+        slots, one ``put`` per field (which raises on an id out of range)."""
+        ids = _as_numpy(slot_ids)
+        end = start + len(ids)
+        for dest, src in zip(self._rows, rows, strict=True):
+            part = src.numpy()
+            if start or end != len(part):
+                part = part[start:end]
+            dest.put(ids, row_elements(part))
+
+    def gather(
+        self,
+        slot_ids: torch.Tensor | SlotIdArray,
+        out: Sequence[torch.Tensor | npt.NDArray[Any]],
+        *,
+        ids_in_range: bool = False,
+    ) -> None:
+        """Copy the given slots into ``out``: per field a ``uint8 [len(slot_ids), row_bytes]`` tensor or array, or
+        the ``row_elements`` of one (what a reader's ring keeps, so that no view is made per batch).
+        ``ids_in_range``: the caller vouches that every id lies in ``[0, slots)`` (ids the slot table of this
+        buffer handed out), which skips the check, a fifth of a small batch's gather."""
+        ids = _as_numpy(slot_ids)
+        if not ids_in_range and len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.slots):
+            raise IndexError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
+        for src, dst in zip(self._rows, out, strict=True):
+            dst_rows = _as_numpy(dst)
+            if dst_rows.ndim != 1:
+                dst_rows = row_elements(dst_rows)
+            np.take(src, ids, out=dst_rows, mode="clip")  # in range, checked above: NOTE [ Row copies ]
+
+    def read_rows(self, slot_ids: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.index_select(region, 0, slot_ids) for region in self.regions]
+
+    def close(self) -> None:
+        self.regions = []
+        self._rows = []
+        self.memory.close()
+
+
+# The batches handed out and not yet released: id of the weak reference to each batch's owner array -> (that
+# reference, its callback). Module-level, as weakref.finalize's registry is, so that a callback still runs when
+# the ring object that made the batch is gone first (a pinned ring's release must still reach its queue).
+_RELEASES: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
+
+
+def _released(ref: weakref.ref[Any]) -> None:
+    entry = _RELEASES.pop(id(ref), None)
+    if entry is not None:
+        entry[1]()
+
+
+def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
+    """The numpy dtype to cut a field of ``dtype`` as, and the torch dtype to view it as then (None: as cut)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype, None
+    except TypeError:  # no numpy equivalent (bfloat16, float8): cut as the unsigned int of the same size
+        return np.dtype(f"u{dtype.itemsize}"), dtype
+
+
+# NOTE [ Ring depth ]
+# A reader draws the slots of as many batches as it has free ring slots under one hold of the node lock, and the
+# trainer is woken once per draw (NOTE [ Reader cycle ] in procs/reader.py), so a deeper ring means fewer transitions,
+# messages and wake-ups per batch. Measured with ``gigashuffle bench`` (1 writer, 1 reader, 3 s, two rounds side by
+# side with baselines; docs/benchmarks.md): depth 4 -> 8 took tokens from 356-367k to 431-433k rows/s and 4.8-4.9 to
+# 4.05 CPU-us per row, tiny from 4.2-4.4M to 5.05M rows/s and 0.38-0.39 to 0.28. Depth 16 gained a little more but
+# let the readers drain the buffer to the mixing threshold (displacement ratio ~0.5). A ring costs
+# ``depth * bs * row bytes`` per reader (pinned, with a device), so the automatic depth takes 8 batches while they
+# fit in RING_BUDGET_BYTES and never fewer than 4 (image-sized batches of 38 MB stay at 4).
+RING_BUDGET_BYTES = 64 << 20
+_AUTO_DEPTHS = (4, 8)
+
+
+def ring_depth_for(configured: int | None, layout: Layout, bs: int) -> int:
+    """The ring depth a reader uses: ``configured``, or for None the automatic depth of NOTE [ Ring depth ]."""
+    if configured is not None:
+        return configured
+    least, most = _AUTO_DEPTHS
+    batch_bytes = max(1, bs * layout.row_bytes)
+    return max(least, min(most, RING_BUDGET_BYTES // batch_bytes))
+
+
+class BatchRing:
+    """A reader's ring of ``depth`` batch slots, each holding ``bs`` rows, their slot indices and the version of
+    each slot's write (so a later ``evict`` can tell that write from a newer one; see NOTE [ Slot table ])."""
+
+    def __init__(self, layout: Layout, bs: int, depth: int, memory: SharedMemory | None = None) -> None:
+        offsets, fields_bytes = _field_offsets(layout, bs)
+        self.layout = layout
+        self.bs = bs
+        self.depth = depth
+        self.index_offset = fields_bytes
+        self.field_offsets = offsets
+        self.versions_offset = fields_bytes + bs * 8
+        self.slot_bytes = _align(fields_bytes + bs * 16)
+        self.nbytes = self.slot_bytes * depth
+        self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
+        self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        self._targets: dict[int, tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        # What batch() cuts out of a ring slot, worked out once (batch() runs once per delivered batch in the
+        # trainer): per field its group, key, byte range, the numpy dtype it is cut as, its row shape, and the torch
+        # dtype to view it as afterwards when numpy has no such dtype (bfloat16, float8: cut as same-size ints).
+        self._cuts = [
+            (spec.group, spec.key, off, off + bs * spec.row_bytes, *_numpy_cut(spec.dtype), (bs, *spec.shape))
+            for off, spec in zip(offsets, layout.fields, strict=True)
+        ]
+
+    def regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Writable byte regions of ring slot ``k`` (one per field) and its int64 index tensor."""
+        if k not in self._regions:
+            self._regions[k] = self._make_regions(k)
+        return self._regions[k]
+
+    def _make_regions(self, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        base = k * self.slot_bytes
+        fields = [
+            self.memory.view(base + off, self.bs * spec.row_bytes).view(self.bs, spec.row_bytes)
+            for off, spec in zip(self.field_offsets, self.layout.fields, strict=True)
+        ]
+        index = self.memory.view(base + self.index_offset, self.bs * 8).view(torch.int64)
+        return fields, index
+
+    def targets(self, k: int) -> tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """What a reader fills in ring slot ``k``: each field's ``row_elements``, the int64 index and versions."""
+        found = self._targets.get(k)
+        if found is None:
+            fields, index = self.regions(k)
+            found = self._targets[k] = ([row_elements(f.numpy()) for f in fields], index.numpy(), self.versions(k))
+        return found
+
+    def versions(self, k: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The int64 versions of ring slot ``k``'s rows, one per index."""
+        found = self._versions.get(k)
+        if found is None:
+            raw = self.memory.numpy_view(k * self.slot_bytes + self.versions_offset, self.bs * 8)
+            found = self._versions[k] = raw.view(np.int64)
+        return found
+
+    def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
+        """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.
+
+        Every view keeps one fresh numpy array alive, the owner of the slot's bytes; ``on_release`` runs when the
+        last view (or any view derived from it) is gone, which is when the ring slot may be overwritten.
+        """
+        owner = self.memory.numpy_view(k * self.slot_bytes, self.slot_bytes)
+        if on_release is not None:
+            # A weak reference with a callback rather than weakref.finalize: the same guarantee (it runs when the
+            # owner dies) at a fraction of the cost, since finalize also registers itself for interpreter exit.
+            ref = weakref.ref(owner, _released)
+            _RELEASES[id(ref)] = (ref, on_release)
+        # Each view is cut in numpy (a slice of the owner keeps it as its base) and then wrapped by torch: a
+        # quarter of the cost of slicing and viewing a torch tensor of the owner, per field and batch.
+        batch: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.num_groups)]
+        for group, key, start, end, np_dtype, torch_dtype, shape in self._cuts:
+            field = torch.from_numpy(owner[start:end].view(np_dtype).reshape(shape))
+            batch[group][key] = field if torch_dtype is None else field.view(torch_dtype)
+        index = owner[self.index_offset : self.index_offset + self.bs * 8].view(np.int64)
+        batch[0][INDEX_KEY] = torch.from_numpy(index)
+        return batch
+
+    def close(self) -> None:
+        self._regions.clear()
+        self._versions.clear()
+        self._targets.clear()
+        self.memory.close()

@@ -1,0 +1,120 @@
+"""The slot table's header and journal: how a transition survives its holder's death at any instruction.
+
+NOTE [ Slot journal ]
+Why a kill at any instruction loses no slot and blocks nobody (NOTE [ Slot table ] in shm/slottable.py says what the
+table holds):
+- Each transition is journaled. The holder writes the op, its pid and the slot ids into the journal region, then
+  stores the journal length (one aligned 8-byte store: the commit point), applies the op, and stores length 0.
+  Killed before the commit point: the table is untouched. Killed after it: the next process to take the lock
+  finds a nonzero length and applies the op again before doing anything else (roll forward).
+- Re-applying an op is idempotent, because every op either sets a value that does not depend on the old one
+  (holder, state of ids chosen under the lock, counts and the version clock taken from the journal rather than
+  incremented) or moves only slots still in the op's source state (``reading -> full`` skips a slot already
+  moved).
+- A process that dies while holding slots but not the lock leaves them ``writing`` or ``reading`` under its pid:
+  ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
+  a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
+  [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
+- Four counts live in the header: full slots (read by every draw, so that no draw passes over the whole table),
+  empty slots (read by every acquire, so that a writer waiting on a full buffer scans nothing), and the totals of
+  rows written and read (for ``gigashuffle stats``). An op journals each count's new value, computed under the
+  lock before the commit point, and applying the op sets that value: a roll-forward cannot count twice. So does
+  the version clock, which an acquire moves past the versions it allots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from gigashuffle.shm.picker import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotIds
+
+HEADER_BYTES = 128  # 16 int64 words, indexed by the H_* names below
+# Words: magic, slots, journal length (the commit point), op, pid; the version clock, rows written, rows read, the
+# journaled new value of the counter the op moves (rows written or read, or the clock), full slots and their
+# journaled new count, empty slots and theirs; the node lock's total hold time (ns) and number of holds, which are
+# statistics and not journaled (NOTE [ Node lock budget ] in shm/slottable.py).
+H_MAGIC, H_SLOTS, H_LENGTH, H_OP, H_PID = 0, 1, 2, 3, 4
+H_CLOCK, H_WRITTEN, H_READ, H_JCOUNT, H_FULL, H_JFULL, H_EMPTY, H_JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
+H_HELD_NS, H_HOLDS = 13, 14
+
+OP_ACQUIRE, OP_COMMIT, OP_DRAW, OP_RELEASE_KEEP, OP_RELEASE_EVICT, OP_EVICT, OP_REPAIR, OP_GIVE_BACK = range(1, 9)
+
+Header = npt.NDArray[np.int64]
+
+
+class Journal:
+    """Journals and applies the ops of one slot table, over views of its header, journal ids, states and holders.
+    Every method runs under the node lock."""
+
+    def __init__(
+        self, header: Header, ids: npt.NDArray[np.int32], state: npt.NDArray[np.uint8], holder: npt.NDArray[np.int32]
+    ) -> None:
+        self.header, self.ids, self.state, self.holder = header, ids, state, holder
+
+    def commit(self, op: int, pid: int, ids: SlotIds, full_after: int = -1, empty_after: int = -1) -> None:
+        """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
+        of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""
+        n = len(ids)
+        if n == 0:
+            return
+        self.ids[:n] = ids
+        header = self.header
+        header[H_OP] = op  # two scalar stores: a slice store from a tuple converts it to an array first
+        header[H_PID] = pid
+        if op == OP_COMMIT:  # counters are journaled as their new value, so a roll-forward sets them again
+            header[H_JCOUNT] = header[H_WRITTEN] + n
+        elif op == OP_ACQUIRE:  # so is the version clock, moved past a fresh version for each slot reserved
+            header[H_JCOUNT] = header[H_CLOCK] + n
+        elif op in (OP_RELEASE_KEEP, OP_RELEASE_EVICT):
+            header[H_JCOUNT] = header[H_READ] + n
+        header[H_JFULL] = header[H_FULL] if full_after < 0 else full_after
+        header[H_JEMPTY] = header[H_EMPTY] if empty_after < 0 else empty_after
+        header[H_LENGTH] = n  # the commit point: from here on the op happens, even if we die
+        self.apply(op, pid, ids)
+        header[H_LENGTH] = 0
+
+    def roll_forward(self) -> None:
+        n, op, pid = (int(x) for x in self.header[H_LENGTH : H_PID + 1])
+        self.apply(op, pid, self.ids[:n].astype(np.intp))
+        self.header[H_LENGTH] = 0
+
+    def apply(self, op: int, pid: int, ids: SlotIds) -> None:
+        # A roll-forward finds every journaled slot either as the op found it or as the op left it (nothing else
+        # runs between a death and the next lock holder's roll-forward): ops whose ids were all in one state when
+        # journaled set their target state outright; the others move only slots still in a source state.
+        state, header = self.state, self.header
+        if op in (OP_ACQUIRE, OP_DRAW):
+            self.holder[ids] = pid
+            state[ids] = WRITING if op == OP_ACQUIRE else READING
+            if op == OP_ACQUIRE:
+                header[H_CLOCK] = header[H_JCOUNT]
+        elif op == OP_COMMIT:  # every id was writing under pid, and carries the version its writer stamped
+            state[ids] = FULL
+            header[H_WRITTEN] = header[H_JCOUNT]
+        elif op == OP_RELEASE_EVICT:  # every id was reading (or reading-then-evict) under pid
+            state[ids] = EMPTY
+            header[H_READ] = header[H_JCOUNT]
+        elif op == OP_GIVE_BACK:  # every id was writing under pid (reserved, not written)
+            state[ids] = EMPTY
+        else:
+            self._apply_by_state(op, ids)
+        header[H_FULL] = header[H_JFULL]
+        header[H_EMPTY] = header[H_JEMPTY]
+
+    def _apply_by_state(self, op: int, ids: SlotIds) -> None:
+        """The ops whose slots may be in several states: each moves only the slots still in a source state."""
+        state = self.state
+        old = state.take(ids)
+        if op == OP_RELEASE_KEEP:
+            state[ids.compress(old == READING)] = FULL
+            state[ids.compress(old == READING_EVICT)] = EMPTY
+            self.header[H_READ] = self.header[H_JCOUNT]
+        elif op == OP_EVICT:
+            state[ids.compress(old == FULL)] = EMPTY
+            state[ids.compress(old == READING)] = READING_EVICT
+        elif op == OP_REPAIR:
+            state[ids.compress((old == WRITING) | (old == READING_EVICT))] = EMPTY
+            state[ids.compress(old == READING)] = FULL
+        else:
+            raise AssertionError(f"unknown slot table op {op} in the journal")

@@ -1,0 +1,430 @@
+"""The slot table: what each row of the node buffer holds, in shared memory beside the rows.
+
+NOTE [ Slot table ]
+One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
+(uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
+holds it) and ``version`` (int64, a fresh value for every write, so an INDEX_KEY entry names one write of a slot:
+the acquire that reserves a slot allots it, and the writer stamps it on the slot before the commit makes it
+full). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
+(``flock`` on the memfd, which the kernel drops when its holder dies; see shm/nodelock.py). The lock is held for tens
+of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
+node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
+
+Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
+[ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock, ``snapshot()`` counts
+``state`` itself.
+
+NOTE [ A stopped lock holder ]
+A dead holder never blocks the node; a stopped one (SIGSTOP, a debugger at a breakpoint, a frozen cgroup) does,
+and no process can take a live one's flock. What the trainer guarantees is that it says so instead of hanging:
+``counts()`` reads the header without the lock (the heartbeat and the fill progress use it, so the node's session
+stays alive); the trainer's own transitions have a patience (``wait_s``): repairing a dead child's slots waits
+about a second and otherwise leaves them to the children's housekeeping, ``stats()`` and ``evict()`` raise
+``NodeLockBusy`` naming the holder and its state; and the "no batch for N s" warning names the holder. Writers and
+readers wait without a limit: they have nothing else to do, and the holder may go on.
+
+What a transition costs (it runs under the node lock, a few times per batch and chunk): a dozen numpy calls on
+the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing, half the cost at these sizes),
+never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
+last search stopped, in windows sized from the count of empty slots, so it usually finds its slots in one numpy
+call over about ``1.5 * n / (fraction empty)`` states (each further window doubles); ``draw_full`` samples by
+rejection (both in shm/picker.py). The hot ops take the lock with ``_acquire``/``_release`` rather than the
+generator context manager ``_locked`` (a few microseconds per use); a reader returns a batch and draws the next
+under one hold (``release_and_draw``), and a writer publishes a chunk and reserves the slots of the next under one
+(``commit_and_acquire``; ``give_back`` returns a reservation).
+
+NOTE [ Node lock budget ]
+Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
+the node's time that no other transition can run in, and a node with any number of cores tops out near
+1 / (busy share) times the rate that share was measured at. The header totals every process's holds and their
+time (``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
+window. So whatever does not need the table's state is done outside the lock:
+- a reader draws its random candidate ids and drops repeats before it takes the lock (``SlotPicker.candidates``,
+  sized from the count of full slots read without the lock); under it only their states are checked, and more
+  are drawn if they fall short (the table changed meanwhile);
+- a drawn slot's version is read after the lock is released (``_versions_of_drawn``);
+- a process checks that it still holds the slots it commits or releases before it takes the lock (``_held``:
+  while it lives, nobody else moves them out of writing or reading);
+- an acquire only moves the version clock (journaled); the writer stamps the new versions on its reserved slots
+  after the release (``_stamp_versions``), so a commit just marks its slots full.
+On the 2-core VM, in alternating runs of ``python -m gigashuffle.tools.bench.runner --workload W --seconds 3
+--no-baselines`` (docs/benchmarks.md, "Work moved out of the node lock" and "The holder check before the lock"),
+these took the lock's busy share with 1 writer + 1 reader from 41-43% to 23-26% on tiny rows (mean hold 93-111 ->
+45-62 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and from 20-22% to
+9.5-10% on token rows (50-60 -> 17-22 us); rows/s, CPU per row and the displacement ratio stayed within
+run-to-run noise. Image rows keep it about 5% busy. So the bound is about 4x the 1 + 1 rate for tiny rows and
+10x for token rows (it was 2.3x and 5x); more writers and readers add a little (tiny rows 19-26% -> 29-32% with
+2 + 2 or two ranks, which there ran 0.98-1.21x and 0.79-1.52x as fast as 1 + 1 on two cores).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from gigashuffle.host.pids import pid_alive
+from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.journal import (
+    H_CLOCK,
+    H_EMPTY,
+    H_FULL,
+    H_HELD_NS,
+    H_HOLDS,
+    H_LENGTH,
+    H_MAGIC,
+    H_READ,
+    H_SLOTS,
+    H_WRITTEN,
+    HEADER_BYTES,
+    OP_ACQUIRE,
+    OP_COMMIT,
+    OP_DRAW,
+    OP_EVICT,
+    OP_GIVE_BACK,
+    OP_RELEASE_EVICT,
+    OP_RELEASE_KEEP,
+    OP_REPAIR,
+    Journal,
+)
+from gigashuffle.shm.nodelock import NodeLock
+from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds, SlotPicker
+
+__all__ = [
+    "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",
+    "ShuffleBufferStats", "SlotIds", "SlotTable", "TableSnapshot", "Versions", "table_nbytes",
+]  # fmt: skip
+
+Versions = npt.NDArray[np.int64]
+
+_MAGIC = 0x67735F736C6F7435  # "gs_slot5"
+_NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LockUsage:
+    """How much a node's slot-table lock has been held since its buffer was created: compare two readings over a
+    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ])."""
+
+    held_s: float
+    holds: int
+
+
+@dataclass(frozen=True)
+class ShuffleBufferStats:
+    """Slot counts of a node's buffer: ``full + empty + in_flight == shuffle_size`` once it is allocated."""
+
+    full: int
+    empty: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """Slot counts by state, taken atomically under the node lock."""
+
+    empty: int
+    writing: int
+    full: int
+    reading: int
+
+    def stats(self) -> ShuffleBufferStats:
+        return ShuffleBufferStats(self.full, self.empty, self.writing + self.reading)
+
+
+def table_nbytes(slots: int) -> int:
+    return HEADER_BYTES + slots * (8 + 4 + 4 + 1) + 64
+
+
+class SlotTable:
+    """The slot table of one node buffer. ``memory=None`` creates it (every slot empty); else it maps ``memory``."""
+
+    def __init__(self, slots: int, memory: SharedMemory | None = None, seed: int | None = None) -> None:
+        if slots <= 0:
+            raise ValueError(f"a slot table needs at least one slot, got slots={slots}")
+        self.slots = slots
+        self.memory = memory or SharedMemory(table_nbytes(slots), name="gigashuffle-slots")
+        if self.memory.fd is None:
+            raise ValueError("a slot table needs the memfd itself (to open its own lock), not a closed one")
+        raw = self.memory.numpy_view(0, table_nbytes(slots))
+        self._header = raw[:HEADER_BYTES].view(np.int64)
+        offset = HEADER_BYTES
+        self.version = raw[offset : offset + 8 * slots].view(np.int64)
+        offset += 8 * slots
+        self.holder = raw[offset : offset + 4 * slots].view(np.int32)
+        journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
+        offset += 8 * slots
+        self.state = raw[offset : offset + slots]
+        self._journal = Journal(self._header, journal_ids, self.state, self.holder)
+        if memory is None:
+            self._header[[H_MAGIC, H_SLOTS, H_EMPTY]] = (_MAGIC, slots, slots)
+        elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
+            raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
+        self._picker = SlotPicker(slots, seed)
+        self._lock = NodeLock(self.memory)
+        self._held_since_ns = 0  # when this process last took the lock (only one thread holds it: NodeLock)
+
+    @property
+    def fd(self) -> int | None:
+        return self.memory.fd
+
+    # -- locking and the journal -----------------------------------------------------------------------------
+    @contextmanager
+    def _locked(self, wait_s: float | None = None) -> Iterator[None]:
+        self._acquire(wait_s)
+        try:
+            yield
+        finally:
+            self._release()
+
+    # The hot transitions call _acquire/_release in try/finally instead of ``with self._locked()``: a generator
+    # context manager costs a few microseconds per use, several times per batch.
+    def _acquire(self, wait_s: float | None = None) -> None:
+        """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
+        if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
+        self._lock.acquire(wait_s)
+        self._held_since_ns = time.perf_counter_ns()
+        try:
+            if self._header[H_LENGTH]:
+                self._journal.roll_forward()
+        except BaseException:
+            self._lock.release()  # not _release(): its figures are for transitions, and this table may be closed
+            raise
+
+    def _release(self) -> None:
+        # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else.
+        header = self._header
+        header[H_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
+        header[H_HOLDS] += 1
+        self._lock.release()
+
+    def lock_usage(self) -> LockUsage:
+        """The node lock's total hold time and number of holds, from the header without the lock."""
+        return LockUsage(int(self._header[H_HELD_NS]) / 1e9, int(self._header[H_HOLDS]))
+
+    def lock_holder(self) -> int | None:
+        """The pid holding the node lock now (from ``/proc/locks``), or None."""
+        return self._lock.holder()
+
+    def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
+        """The slots of ``ids`` that ``pid`` holds in one of ``states``. Called before the lock is taken, by
+        ``pid`` itself about its own slots: while it lives no other process moves them out of those states (evict
+        marks a reading slot reading-then-evict, both accepted; repair takes a holder's slots only once it is
+        dead: a pid it is given is one the zygote reaped), so the answer is the one the lock would give, without
+        costing the node's lock time (NOTE [ Node lock budget ]). Should a count drift all the same, a draw
+        raises instead of spinning (``SlotPicker._listed_full``)."""
+        given: SlotIds = np.asarray(ids, dtype=np.intp)
+        if given.ndim != 1:
+            given = given.reshape(-1)
+        # Comparisons instead of np.isin, which sorts or builds a table per call (it dominated the commits and
+        # releases of small batches); reading and reading-then-evict are the two highest states: one comparison.
+        # take() and compress() rather than fancy and boolean indexing: half the cost at these sizes.
+        now = self.state.take(given)
+        if states == (READING, READING_EVICT):
+            in_state = now >= READING
+        else:
+            in_state = now == states[0]
+            for other in states[1:]:
+                in_state |= now == other
+        in_state &= self.holder.take(given) == pid
+        if in_state.all():  # the usual case: skip the copy
+            return given
+        mine: SlotIds = given.compress(in_state)
+        return mine
+
+    # -- writers ---------------------------------------------------------------------------------------------
+    def acquire_empty(self, pid: int, n: int) -> SlotIds:
+        """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
+        self._acquire()
+        try:
+            ids = self._picker.first_empty(self.state, int(self._header[H_EMPTY]), n)
+            self._journal.commit(OP_ACQUIRE, pid, ids, -1, int(self._header[H_EMPTY]) - len(ids))
+            clock = int(self._header[H_CLOCK])
+        finally:
+            self._release()
+        self._stamp_versions(ids, clock)
+        return ids
+
+    def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
+        """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held."""
+        mine = self._held(pid, ids, (WRITING,))
+        self._acquire()
+        try:
+            self._commit_written(pid, mine)
+        finally:
+            self._release()
+        return len(mine)
+
+    def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0) -> tuple[int, SlotIds]:
+        """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty and the slots
+        full or empty without them still number ``min_full``, else none, under one hold of the lock (two journaled
+        ops). All or nothing: a writer that took the few slots just emptied would cut its next chunk into as many
+        small pieces, each a copy and a transition of its own. ``min_full``: a reservation held while the dataset
+        waits must not keep the buffer from reaching the readers' threshold (with fill_once, every slot).
+        Returns how many slots it still held, and the new ones."""
+        mine = self._held(pid, ids, (WRITING,))
+        self._acquire()
+        try:
+            self._commit_written(pid, mine)
+            empty = int(self._header[H_EMPTY])
+            room = int(self._header[H_FULL]) + empty - n >= min_full
+            fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
+            self._journal.commit(OP_ACQUIRE, pid, fresh, -1, empty - len(fresh))
+            clock = int(self._header[H_CLOCK])
+        finally:
+            self._release()
+        self._stamp_versions(fresh, clock)
+        return len(mine), fresh
+
+    def _stamp_versions(self, ids: SlotIds, clock: int) -> None:
+        # The acquire moved the version clock to ``clock`` past len(ids) values of its own (journaled); the writer
+        # stamps them on its reserved slots after releasing the lock (NOTE [ Node lock budget ]). Nobody reads the
+        # version of a writing slot, and the commit that makes them full comes later from this same process. A
+        # writer killed before or while stamping leaves writing slots that repair empties: no row has them.
+        if len(ids):
+            self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
+
+    def _commit_written(self, pid: int, mine: SlotIds) -> None:
+        self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine))
+
+    def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
+        """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
+        mine = self._held(pid, ids, (WRITING,))
+        self._acquire()
+        try:
+            self._journal.commit(OP_GIVE_BACK, pid, mine, -1, int(self._header[H_EMPTY]) + len(mine))
+        finally:
+            self._release()
+        return len(mine)
+
+    # -- readers ---------------------------------------------------------------------------------------------
+    def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
+        """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
+        than ``max(n, min_full)`` slots are full."""
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
+        self._acquire()
+        try:
+            ids = self._draw(pid, n, min_full, candidates)
+        finally:
+            self._release()
+        return ids, self._versions_of_drawn(ids)
+
+    def _draw(self, pid: int, n: int, min_full: int, candidates: SlotIds) -> SlotIds:
+        full = int(self._header[H_FULL])
+        if n <= 0 or full < max(n, min_full):
+            return NO_IDS
+        ids = self._picker.sample_full(self.state, n, full, candidates)
+        self._journal.commit(OP_DRAW, pid, ids, full - n)
+        return ids
+
+    def _versions_of_drawn(self, ids: SlotIds) -> Versions:
+        # Read after the lock is released: a slot reading under this process keeps its version (only the writer
+        # that reserved a slot sets one; evict and repair change states, never versions), and a random gather of
+        # 8-byte words is one of the costlier steps of a draw that every process of the node waits for
+        # (NOTE [ Node lock budget ]).
+        return self.version.take(ids) if len(ids) else _NO_VERSIONS
+
+    def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
+        """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
+        mine = self._held(pid, ids, (READING, READING_EVICT))
+        self._acquire()
+        try:
+            self._release_read(pid, mine, evict)
+        finally:
+            self._release()
+        return len(mine)
+
+    def release_and_draw(
+        self, pid: int, ids: npt.ArrayLike, evict: bool, n: int, min_full: int = 0
+    ) -> tuple[int, SlotIds, Versions]:
+        """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
+        ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
+        mine = self._held(pid, ids, (READING, READING_EVICT))
+        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
+        self._acquire()
+        try:
+            self._release_read(pid, mine, evict)
+            drawn = self._draw(pid, n, min_full, candidates)
+        finally:
+            self._release()
+        return len(mine), drawn, self._versions_of_drawn(drawn)
+
+    def _release_read(self, pid: int, mine: SlotIds, evict: bool) -> None:
+        empty = int(self._header[H_EMPTY])
+        if evict:
+            self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
+        else:  # slots evict() marked meanwhile become empty, the others full again
+            back = int(np.count_nonzero(self.state.take(mine) == READING))
+            self._journal.commit(OP_RELEASE_KEEP, pid, mine, int(self._header[H_FULL]) + back, empty + len(mine) - back)
+
+    def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
+        """Full slots become empty; slots being read become empty when released. A slot whose version is not the
+        given one (rewritten since) is left alone; version -1 (or ``versions=None``) matches any write."""
+        ids = np.asarray(ids, dtype=np.intp).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.slots):
+            raise ValueError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
+        with self._locked(wait_s):
+            ok = np.isin(self.state[ids], (FULL, READING))
+            if versions is not None:
+                wanted = np.asarray(versions, dtype=np.int64).reshape(-1)
+                ok &= (wanted == -1) | (self.version[ids] == wanted)
+            chosen = np.unique(ids[ok])
+            gone = int(np.count_nonzero(self.state[chosen] == FULL))
+            header = self._header
+            self._journal.commit(OP_EVICT, 0, chosen, int(header[H_FULL]) - gone, int(header[H_EMPTY]) + gone)
+        return len(chosen)
+
+    # -- supervision -----------------------------------------------------------------------------------------
+    def repair(self, dead: Iterable[int] = (), wait_s: float | None = None) -> int:
+        """Return the slots of dead holders (``dead`` pids, or any holder pid no longer alive); returns how many."""
+        dead_set = set(dead)
+        with self._locked(wait_s):
+            held = np.flatnonzero(self.state != EMPTY)
+            held = held[self.state[held] != FULL]
+            holders = self.holder[held]
+            gone = [p for p in np.unique(holders).tolist() if p in dead_set or not pid_alive(p)]
+            ids = held[np.isin(holders, gone)]
+            back = int(np.count_nonzero(self.state[ids] == READING))
+            header = self._header  # writing and reading-then-evict slots become empty, reading ones full
+            self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
+        return len(ids)
+
+    def counts(self) -> tuple[int, int, ShuffleBufferStats]:
+        """Rows written and read, and the slot counts, read from the header without the lock, so this never waits
+        (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
+        aligned word that was true at some moment; together they may straddle one transition."""
+        header = self._header
+        written, read, full, empty = (int(header[i]) for i in (H_WRITTEN, H_READ, H_FULL, H_EMPTY))
+        return written, read, ShuffleBufferStats(full, empty, self.slots - full - empty)
+
+    def stats(self, wait_s: float | None = None) -> ShuffleBufferStats:
+        """The slot counts at one moment: the header's counts read under the lock, which every transition keeps
+        exact (journaled with it), so this costs the same for any table size. ``snapshot()`` passes over every
+        slot's state instead: 3 x 64 MB for a buffer of 64M rows, with every writer and reader of the node
+        waiting."""
+        self._acquire(wait_s)
+        try:
+            return self.counts()[2]  # under the lock no transition is half done: the counts agree
+        finally:
+            self._release()
+
+    def snapshot(self, wait_s: float | None = None) -> TableSnapshot:
+        # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
+        with self._locked(wait_s):
+            state = self.state
+            empty, writing, full = (int(np.count_nonzero(state == s)) for s in (EMPTY, WRITING, FULL))
+        return TableSnapshot(empty, writing, full, self.slots - empty - writing - full)
+
+    def close(self) -> None:
+        """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
+        self._lock.close()
+        self.memory.close()
+        # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
+        self._header = self.version = np.empty(0, dtype=np.int64)
+        self.holder = np.empty(0, dtype=np.int32)
+        self.state = np.empty(0, dtype=np.uint8)
+        self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)

@@ -1,0 +1,362 @@
+"""Trainer ranks of one node for ``gigashuffle bench --ranks R``.
+
+Rank 0 is the bench process; ranks 1..R-1 run this module (``python -m gigashuffle.tools.bench.ranks``), each with
+its own loader on the same queue and Redis, so that all of them share one node buffer. Each rank is its own process
+because trainers are separate processes in a real job: threads of one process would share one GIL and measure that
+instead.
+
+The bench and a rank process talk in JSON lines, the bench on the rank's stdin, the rank on its stdout:
+
+* rank -> bench ``{"pids": {"trainer": [...], "writer": [...], ...}, "warmup": {...}}`` once its warm-up is done;
+* bench -> rank ``{"end": T}``: time batches from now until ``time.monotonic() >= T``;
+* rank -> bench ``{"rate": {...}}`` once its window is over;
+* bench -> rank ``{"close": true}`` (or end of file): close the loader and exit.
+
+The window's end is a ``time.monotonic()`` value rather than a duration: CLOCK_MONOTONIC is one clock for every
+process of a machine, so every rank stops at the same instant whatever the pipe latency was when it was told to
+start. Every wait on either side has a deadline, and a rank whose peer is gone closes its loader and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+from gigashuffle.tools.bench.baselines import timed_batches
+from gigashuffle.tools.bench.workloads import RepeatingChunkDataset, Workload, get_workload
+
+if TYPE_CHECKING:
+    from gigashuffle import DataloaderConfig
+
+log = logging.getLogger(__name__)
+
+MIN_MIXING = 0.5
+# Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
+WARMUP_CAP_S = 30.0
+# A rank process imports torch, starts a loader and warms up; on a loaded 2-core machine that can take a while.
+READY_TIMEOUT_S = 120.0 + WARMUP_CAP_S
+# After the window ends a rank finishes the batch it is on: one batch, even a slow one, is far below this.
+REPORT_TIMEOUT_S = 60.0
+# A rank waits this long for the bench to start its window: the bench waits for the slowest rank to be ready first.
+GO_TIMEOUT_S = 2 * READY_TIMEOUT_S
+CLOSE_TIMEOUT_S = 60.0
+# On an error the ranks are told to stop, given this long, then sent SIGTERM, then SIGKILL.
+ABORT_GRACE_S = 5.0
+KILL_GRACE_S = 30.0
+# A wait for a message wakes up this often to notice that the peer process died (a pipe can outlive it).
+_PEER_CHECK_S = 0.5
+
+Message = dict[str, Any]
+Pids = dict[str, list[int]]
+
+
+def rank_config(
+    workload: Workload,
+    queue_name: str,
+    writers: int,
+    readers: int,
+    rank: int,
+    ranks: int,
+    redis_url: str | None,
+) -> DataloaderConfig:
+    """The config of rank ``rank`` of a one-node job of ``ranks`` ranks: all of them share one buffer."""
+    from gigashuffle import DataloaderConfig
+
+    return DataloaderConfig(
+        bs=workload.bs,
+        shuffle_size=workload.shuffle_size,
+        queue_name=queue_name,
+        num_writers=writers,
+        num_readers=readers,
+        min_mixing=MIN_MIXING,
+        local_rank=rank,
+        global_rank=rank,
+        local_world_size=ranks,
+        global_world_size=ranks,
+        redis_url=redis_url,
+    )
+
+
+def mixing_threshold(workload: Workload) -> int:
+    """Full slots an observer sees once the buffer has reached the mixing threshold.
+
+    A reader takes a batch the moment full slots reach the threshold, so between batches an observer sees at most
+    threshold - bs full slots: that is the sign the threshold was reached.
+    """
+    return math.ceil(MIN_MIXING * workload.shuffle_size) - workload.bs
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    batches: int
+    seconds: float
+    mixed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"warmup_batches": self.batches, "warmup_s": self.seconds, "mixed": self.mixed}
+
+
+def warm_up(
+    next_batch: Callable[[], int],
+    full_slots: Callable[[], int],
+    threshold: int,
+    cap_s: float,
+    min_batches: int = 1,
+) -> WarmUp:
+    """Read batches until ``threshold`` full slots were seen once and ``min_batches`` were read (or ``cap_s`` passed).
+
+    ``min_batches`` matters for a rank that joins a node whose buffer is already mixed: until it has read a batch
+    its own reader may not even be running, and its first batch would land in the timed window.
+    """
+    start = time.perf_counter()
+    batches = 0
+    while batches < min_batches or full_slots() < threshold:
+        if time.perf_counter() - start > cap_s:
+            log.warning("buffer never reached %d full slots in %.0f s; timing it unmixed", threshold, cap_s)
+            return WarmUp(batches, time.perf_counter() - start, False)
+        next_batch()
+        batches += 1
+    return WarmUp(batches, time.perf_counter() - start, True)
+
+
+class PeerGone(RuntimeError):
+    """The other end of a rank channel closed it, died, or did not answer in time."""
+
+
+class LineChannel:
+    """JSON lines over a pair of pipe file descriptors, with a deadline on every receive."""
+
+    def __init__(self, read_fd: int, write_fd: int, peer: str, peer_alive: Callable[[], bool] | None = None) -> None:
+        self._read_fd = read_fd
+        self._write_fd = write_fd
+        self._peer = peer
+        self._peer_alive = peer_alive
+        self._buffer = b""
+
+    def send(self, message: Message) -> None:
+        data = json.dumps(message).encode() + b"\n"
+        try:
+            while data:
+                data = data[os.write(self._write_fd, data) :]
+        except BrokenPipeError as exc:
+            raise PeerGone(f"{self._peer} is gone (broken pipe)") from exc
+
+    def receive(self, deadline: float, waiting_for: str) -> Message:
+        """The next message; ``PeerGone`` when the peer closed its end, died, or ``deadline`` (monotonic) passed."""
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerGone(f"{self._peer}: no {waiting_for} before the deadline")
+            readable, _, _ = select.select([self._read_fd], [], [], min(remaining, _PEER_CHECK_S))
+            if readable:
+                data = os.read(self._read_fd, 1 << 16)
+                if not data:
+                    raise PeerGone(f"{self._peer} closed its end while we waited for {waiting_for}")
+                self._buffer += data
+            elif self._peer_alive is not None and not self._peer_alive():
+                raise PeerGone(f"{self._peer} exited while we waited for {waiting_for}")
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        message: Message = json.loads(line)
+        return message
+
+
+# ------------------------------------------------------------------------------------------- bench side
+
+
+class RankProcess:
+    """Rank ``rank`` (>= 1) of the bench's node, running this module in its own process."""
+
+    def __init__(self, rank: int, args: Sequence[str]) -> None:
+        self.rank = rank
+        # stdout carries the reports; stderr is the bench's, so a rank's logs and tracebacks show up as they happen.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gigashuffle.tools.bench.ranks", "--rank", str(rank), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise AssertionError("Popen with PIPE gave no stdin/stdout")
+        self.channel = LineChannel(
+            self.proc.stdout.fileno(), self.proc.stdin.fileno(), f"bench rank {rank}", lambda: self.proc.poll() is None
+        )
+
+    def stop(self, clean: bool) -> None:
+        """Tell the rank to close its loader and exit; escalate to SIGTERM then SIGKILL if it does not in time."""
+        proc = self.proc
+        if proc.stdin is None or proc.stdout is None:
+            raise AssertionError("Popen with PIPE gave no stdin/stdout")
+        if clean and not proc.stdin.closed and proc.poll() is None:
+            with contextlib.suppress(PeerGone):
+                self.channel.send({"close": True})
+        if not proc.stdin.closed:
+            proc.stdin.close()  # end of file: a rank that is not reading now sees it at its next receive
+        try:
+            proc.wait(CLOSE_TIMEOUT_S if clean else ABORT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("bench rank %d did not exit; sending SIGTERM", self.rank)
+            proc.terminate()
+            try:
+                proc.wait(KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("bench rank %d ignored SIGTERM; killing it", self.rank)
+                proc.kill()
+                proc.wait(KILL_GRACE_S)
+        proc.stdout.close()
+        if clean and proc.returncode != 0:
+            log.error("bench rank %d exited with status %d", self.rank, proc.returncode)
+
+
+@dataclass
+class RankReport:
+    """What a rank process reported: its pids, its warm-up and (after the window) its rate."""
+
+    rank: int
+    pids: Pids
+    warmup: dict[str, Any]
+    rate: dict[str, Any] | None = None
+
+
+class OtherRanks:
+    """Ranks 1..R-1 of the node: started together, timed over the window of rank 0, stopped together.
+
+    A context manager: on leaving it every rank process is stopped, on an error without waiting for a clean close.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        queue_name: str,
+        writers: int,
+        readers: int,
+        ranks: int,
+        redis_url: str,
+    ) -> None:
+        args = ["--workload", workload.name, "--queue", queue_name, "--writers", str(writers)]
+        args += ["--readers", str(readers), "--ranks", str(ranks), "--redis-url", redis_url]
+        self.processes: list[RankProcess] = []
+        try:
+            for rank in range(1, ranks):
+                self.processes.append(RankProcess(rank, args))
+        except BaseException:
+            self._stop_all(clean=False)
+            raise
+        self.reports: list[RankReport] = []
+
+    def __enter__(self) -> OtherRanks:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._stop_all(clean=exc_type is None)
+
+    def _stop_all(self, clean: bool) -> None:
+        if not clean:
+            # Closing every stdin first lets all ranks wind down at once rather than one after the other.
+            for process in self.processes:
+                if process.proc.stdin is not None and not process.proc.stdin.closed:
+                    process.proc.stdin.close()
+        for process in self.processes:
+            process.stop(clean)
+
+    def wait_ready(self) -> list[RankReport]:
+        """Block until every rank has warmed up; their pids (trainer and children) by role."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        self.reports = []
+        for process in self.processes:
+            message = process.channel.receive(deadline, "ready report")
+            self.reports.append(RankReport(process.rank, message["pids"], message["warmup"]))
+        return self.reports
+
+    def start_window(self, end: float) -> None:
+        for process in self.processes:
+            process.channel.send({"end": end})
+
+    def collect_rates(self, end: float) -> list[RankReport]:
+        deadline = end + REPORT_TIMEOUT_S
+        for process, report in zip(self.processes, self.reports, strict=True):
+            report.rate = process.channel.receive(deadline, "rate report")["rate"]
+        return self.reports
+
+
+# -------------------------------------------------------------------------------------------- rank side
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # SystemExit unwinds the with-block, so the loader and its children are closed even when the bench escalates.
+    raise SystemExit(128 + signum)
+
+
+def run_rank(args: argparse.Namespace, channel: LineChannel) -> None:
+    from gigashuffle import MultiprocessShuffledDataloader
+
+    workload = get_workload(args.workload)
+    cfg = rank_config(workload, args.queue, args.writers, args.readers, args.rank, args.ranks, args.redis_url)
+    with MultiprocessShuffledDataloader(RepeatingChunkDataset(workload), cfg) as loader:
+        batches: Iterator[Any] = iter(loader)
+
+        def step() -> int:
+            batch = next(batches)
+            return len(batch[0][next(iter(batch[0]))])
+
+        warm = warm_up(step, lambda: int(loader.stats().full), mixing_threshold(workload), WARMUP_CAP_S)
+        # Every child must be running (and have a pid to meter) before the window; a writer may lag the reader.
+        loader.wait_started(READY_TIMEOUT_S)
+        channel.send({"pids": {"trainer": [os.getpid()], **loader.child_pids()}, "warmup": warm.to_dict()})
+        end = float(channel.receive(time.monotonic() + GO_TIMEOUT_S, "the start of the window")["end"])
+        rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
+        channel.send({"rate": rate.to_dict()})
+        # Stay open until the bench has read this rank's memory figures and says so (or is gone).
+        with contextlib.suppress(PeerGone):
+            channel.receive(time.monotonic() + GO_TIMEOUT_S, "close")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gigashuffle.tools.bench.ranks",
+        description="One trainer rank of gigashuffle bench --ranks (internal).",
+    )
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--queue", required=True)
+    parser.add_argument("--writers", type=int, required=True)
+    parser.add_argument("--readers", type=int, required=True)
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s rank {args.rank} %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Reports go out on a private copy of stdout, and fd 1 becomes stderr: nothing else this process or its loader
+    # children print can corrupt them, and the children (which inherit fd 1) do not keep the report pipe open
+    # after this process is gone. os.dup gives a non-inheritable descriptor.
+    report_fd = os.dup(1)
+    os.dup2(2, 1)
+    channel = LineChannel(0, report_fd, "the bench")
+    try:
+        run_rank(args, channel)
+    except PeerGone as exc:
+        log.error("stopping: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

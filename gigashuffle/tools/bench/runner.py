@@ -1,0 +1,369 @@
+"""``gigashuffle bench``: the loader and its baselines side by side, one table.
+
+For each workload: samples/s and MB/s of the loader, the copy floor and the DataLoader baseline; the
+loader's start-up against ``python -c "import torch"``; the USS of each loader child; Redis commands per
+batch; and shuffle quality of the loader and the DataLoader baseline against an ideal buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from gigashuffle.tools.bench.baselines import DATALOADER_WORKERS, copy_floor, dataloader_baseline, timed_batches
+from gigashuffle.tools.bench.cpu import loader_meter, own_meter
+from gigashuffle.tools.bench.ranks import (
+    MIN_MIXING,
+    READY_TIMEOUT_S,
+    WARMUP_CAP_S,
+    OtherRanks,
+    mixing_threshold,
+    rank_config,
+    warm_up,
+)
+from gigashuffle.tools.bench.report import Result, format_table, ratio
+from gigashuffle.tools.bench.shapedfloor import Shape, shaped_floor
+from gigashuffle.tools.bench.stamps import ChunkStamps, measure_quality
+from gigashuffle.tools.bench.workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
+
+if TYPE_CHECKING:
+    from gigashuffle.shm.slottable import LockUsage
+
+log = logging.getLogger(__name__)
+
+# During the timed window the trainer notes the buffer's full slots every this many batches (stats() takes the node
+# lock for a count of its states: tens of microseconds): the displacement ratio depends on how full the buffer ran.
+FILL_EVERY_BATCHES = 32
+
+
+def import_torch_seconds() -> float:
+    """Wall time of a fresh ``python -c "import torch"``: the start-up cost every torch job pays anyway."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
+
+
+def redis_command_calls(client: Any) -> int:
+    """Total calls over all commands in ``INFO commandstats``."""
+    stats = client.info("commandstats")
+    return sum(int(entry.get("calls", 0)) for entry in stats.values() if isinstance(entry, dict))
+
+
+def child_memory(child_pids: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """USS, PSS and shared (resident, file- or shm-backed) bytes of each loader child."""
+    try:
+        import psutil  # in the bench extra, not a core dependency
+    except ImportError:
+        log.warning("psutil is not installed (pip install 'gigashuffle[bench]'): no memory figures")
+        return []
+    rows = []
+    for role, pids in sorted(child_pids.items()):
+        for pid in pids:
+            try:
+                mem = psutil.Process(pid).memory_full_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+                log.warning("no memory figures for %s pid %d: %s", role, pid, exc)
+                continue
+            rows.append({"role": role, "pid": pid, "uss": mem.uss, "pss": mem.pss, "shared": mem.shared})
+    return rows
+
+
+# NOTE [ Bench bookkeeping ]
+# The shuffle quality figures need the id of every row delivered from the first batch on, so the trainer copies
+# each batch's ids out of the ring, in the timed window too. That copy is the bench's, not the loader's: the copy
+# floor does nothing of the kind, and it cost the trainer 0.004-0.01 CPU-us per tiny row, a quarter to two fifths
+# of what the trainer spends (the ids cross from the reader's core, and the growing list faults in fresh pages).
+# The window therefore measures it with ``time.thread_time()`` around the copy and takes it off the trainer's CPU;
+# it is reported on its own as ``bench_recording_us_per_row``. What the two clock reads cost stays in the trainer.
+def _record_ids(batch: list[dict[str, torch.Tensor]], ids: list[np.ndarray]) -> None:
+    for group in batch:
+        if ID_FIELD in group:
+            ids.append(group[ID_FIELD].numpy().copy())
+            return
+
+
+def measure_loader(
+    workload: Workload,
+    seconds: float,
+    redis_url: str | None = None,
+    writers: int = 1,
+    readers: int = 1,
+    ranks: int = 1,
+) -> Result:
+    """Start the loader on ``workload``, wait until it is mixed, then time ``seconds`` of batches.
+
+    With ``ranks`` > 1 this process is rank 0 of a node of ``ranks`` trainer ranks sharing one buffer, and ranks
+    1..ranks-1 run in processes of their own (:mod:`.ranks`); all ranks time the same window. Rates are the sum
+    over the ranks, CPU is summed over every process of every rank (Redis once), quality is rank 0's stream.
+    """
+    # Imported here so the baselines and quality code work without the loader (and its imports).
+    from gigashuffle import MultiprocessShuffledDataloader
+
+    queue_name = f"bench-{workload.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    cfg = rank_config(workload, queue_name, writers, readers, 0, ranks, redis_url)
+    import_torch_s = import_torch_seconds()
+    ids: list[np.ndarray] = []
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        # Write times, for the quality figures of rank 0's stream (the other ranks' writers reuse its writer ids).
+        stamps = ChunkStamps(stack.enter_context(tempfile.TemporaryDirectory(prefix="gs-bench-stamps-")))
+        dataset = RepeatingChunkDataset(workload, stamps=stamps if ranks == 1 else None)
+        loader = stack.enter_context(MultiprocessShuffledDataloader(dataset, cfg))
+        loader.get_dummy_batch()
+        startup_s = time.perf_counter() - start
+        log.info("%s: loader start-up %.2f s (import torch %.2f s)", workload.name, startup_s, import_torch_s)
+        # Started only now: loader.redis_url is the Redis this rank resolved (with none given, the embedded server it
+        # started), and every rank of the node must use that one to share the buffer. Left before the loader, so the
+        # other ranks are gone before this one's loader (and the embedded server it holds) closes.
+        others = stack.enter_context(OtherRanks(workload, queue_name, writers, readers, ranks, loader.redis_url))
+        batches: Iterator[list[dict[str, torch.Tensor]]] = iter(loader)
+        fills: list[int] = []
+        timed = [False, 0]  # in the window yet; batches taken in it
+        recording_s = [0.0]  # this thread's CPU spent recording row ids in the window: NOTE [ Bench bookkeeping ]
+
+        def step() -> int:
+            batch = next(batches)
+            if timed[0]:
+                started = time.thread_time()
+                _record_ids(batch, ids)
+                recording_s[0] += time.thread_time() - started
+                timed[1] += 1
+                if timed[1] % FILL_EVERY_BATCHES == 0:
+                    fills.append(loader.stats().full)
+            else:
+                _record_ids(batch, ids)
+            return len(batch[0][next(iter(batch[0]))])
+
+        warm = warm_up(step, lambda: int(loader.stats().full), mixing_threshold(workload), WARMUP_CAP_S)
+        loader.wait_started(READY_TIMEOUT_S)  # every child has a pid to meter before the window
+        other_reports = others.wait_ready()
+        client = loader.redis_client()
+        meter = loader_meter(loader.child_pids(), client, [report.pids for report in other_reports])
+        calls_before = redis_command_calls(client)
+        lock_before = loader.lock_usage()
+        meter.start()
+        timed[0] = True
+        end = time.monotonic() + seconds
+        others.start_window(end)
+        rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
+        meter.stop()
+        lock_after = loader.lock_usage()
+        # The INFOs of the meter and of calls_before show up in the second snapshot: take them off.
+        redis_calls = redis_command_calls(client) - calls_before - 3
+        other_reports = others.collect_rates(end)
+        # The other ranks are still open (they wait for the close that leaving ``others`` sends): measure them now.
+        children = [{"rank": 0, **child} for child in child_memory(loader.child_pids())]
+        for report in other_reports:
+            children_pids = {role: pids for role, pids in report.pids.items() if role != "trainer"}
+            children += [{"rank": report.rank, **child} for child in child_memory(children_pids)]
+        shuffle = measure_quality(workload, ids, writers, stamps) if ids and ranks == 1 else None
+    if ranks > 1:
+        # Quality estimates write positions as if every writer had started at once and wrote at the same rate; the
+        # writers of later ranks start seconds later, so the figures would be artefacts of the estimate.
+        log.info("%s: no shuffle quality with %d ranks (the writers of the ranks start at different times)",
+                 workload.name, ranks)  # fmt: skip
+    per_rank = [{"rank": 0, **rate.to_dict(), **warm.to_dict()}]
+    per_rank += [{"rank": report.rank, **(report.rate or {}), **report.warmup} for report in other_reports]
+    samples = sum(int(r["samples"]) for r in per_rank)
+    batches_total = sum(int(r["batches"]) for r in per_rank)
+    samples_per_s = sum(float(r["samples_per_s"]) for r in per_rank)
+    lock = _lock_figures(lock_before, lock_after, meter.wall_s, batches_total)
+    return {
+        # Totals over the ranks; "seconds" is rank 0's window, which the others share.
+        "samples": samples,
+        "batches": batches_total,
+        "seconds": rate.seconds,
+        "row_bytes": workload.row_bytes,
+        "samples_per_s": samples_per_s,
+        "mb_per_s": samples_per_s * workload.row_bytes / 1e6,
+        "ranks": ranks,
+        "per_rank": per_rank,
+        "startup_s": startup_s,
+        "import_torch_s": import_torch_s,
+        "startup_vs_import_torch": startup_s / import_torch_s,
+        "warmup_batches": warm.batches,
+        "warmup_s": warm.seconds,
+        "mixed": all(bool(r["mixed"]) for r in per_rank),
+        "redis_calls": redis_calls,
+        "redis_cmds_per_batch": redis_calls / batches_total,
+        "cpu_us_per_row": meter.per_row_us(samples, {"trainer": recording_s[0]}),
+        "bench_recording_us_per_row": 1e6 * recording_s[0] / samples,
+        **lock,
+        # The mean fraction of the buffer's slots that were full, sampled in the window (None: too few batches).
+        "mean_fill": sum(fills) / len(fills) / workload.shuffle_size if fills else None,
+        "children": children,
+        "quality": shuffle,
+    }
+
+
+def _lock_figures(before: LockUsage, after: LockUsage, wall_s: float, batches: int) -> dict[str, float | None]:
+    """The node lock over the window: the share of it that the lock was held (every rank's writers and readers
+    together: NOTE [ Node lock budget ]), the mean hold, and the holds per delivered batch."""
+    held_s, holds = after.held_s - before.held_s, after.holds - before.holds
+    return {
+        "lock_busy": held_s / wall_s if wall_s > 0 else None,
+        "lock_hold_us": 1e6 * held_s / holds if holds else None,
+        "lock_holds_per_batch": holds / batches if batches else None,
+    }
+
+
+def run_workload(
+    name: str,
+    seconds: float = 5.0,
+    loader: bool = True,
+    baselines: bool = True,
+    redis_url: str | None = None,
+    writers: int = 1,
+    readers: int = 1,
+    ranks: int = 1,
+    shaped: bool | None = None,
+) -> Result:
+    """Measure one workload: ``seconds`` of timed batches for each implementation, one after the other.
+
+    ``shaped``: also run the copy floor in the loader's shape (:mod:`.shapedfloor`), right after the loader;
+    None runs it with the baselines."""
+    workload = get_workload(name)
+    result: Result = {
+        "workload": name,
+        "bs": workload.bs,
+        "shuffle_size": workload.shuffle_size,
+        "chunk_rows": workload.chunk_rows,
+        "row_bytes": workload.row_bytes,
+        "seconds": seconds,
+        "torch_threads": torch.get_num_threads(),
+        # Per rank, as in DataloaderConfig: the node runs writers * ranks writers and readers * ranks readers.
+        "num_writers": writers,
+        "num_readers": readers,
+        "ranks": ranks,
+        "min_mixing": MIN_MIXING,
+    }
+    if baselines:
+        result.update(_measure_baselines(workload, seconds))
+    if loader:
+        result["loader"] = measure_loader(workload, seconds, redis_url, writers, readers, ranks)
+        gc.collect()
+    run_shaped = baselines if shaped is None else shaped
+    if run_shaped:
+        floor_run = shaped_floor(workload, seconds, Shape(writers, readers, ranks))
+        result["shaped_floor"] = floor_run.to_dict()
+        log.info("%s: copy floor in the loader's shape %.0f samples/s", name, floor_run.samples_per_s)
+        if loader:
+            result["loader_vs_shaped_floor"] = ratio(result["loader"]["samples_per_s"], floor_run.samples_per_s)
+    if loader and baselines:
+        rate = result["loader"]["samples_per_s"]
+        result["loader_vs_floor"] = ratio(rate, result["copy_floor"]["samples_per_s"])
+        result["loader_vs_one_thread_floor"] = ratio(rate, result["copy_floor"]["one_thread_samples_per_s"])
+        result["loader_vs_dataloader"] = ratio(rate, result["dataloader"]["samples_per_s"])
+    return result
+
+
+def _measure_baselines(workload: Workload, seconds: float) -> Result:
+    meter = own_meter()
+    meter.start()
+    floor_rate = copy_floor(workload, seconds)
+    meter.stop()
+    floor = {**floor_rate.to_dict(), "cpu_us_per_row": meter.per_row_us(floor_rate.samples)}
+    gc.collect()
+    floor["one_thread_samples_per_s"] = copy_floor(workload, seconds / 2, threads=1).samples_per_s
+    log.info(
+        "%s: copy floor %.0f samples/s (%.0f on one thread)",
+        workload.name, floor["samples_per_s"], floor["one_thread_samples_per_s"],
+    )  # fmt: skip
+    gc.collect()  # the floor's source tensor can be 600 MB: free it before the DataLoader forks
+    with tempfile.TemporaryDirectory(prefix="gs-bench-stamps-") as stamps_dir:
+        stamps = ChunkStamps(stamps_dir)
+        run = dataloader_baseline(workload, seconds, DATALOADER_WORKERS, stamps=stamps)
+        log.info("%s: DataLoader %.0f samples/s", workload.name, run.rate.samples_per_s)
+        gc.collect()
+        dataloader = {
+            **run.rate.to_dict(),
+            "num_workers": run.num_workers,
+            "quality": measure_quality(workload, run.ids, run.num_workers, stamps),
+        }
+    return {"copy_floor": floor, "dataloader": dataloader}
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigashuffle bench", description="Benchmark the loader against a copy floor and a DataLoader."
+    )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=[*WORKLOADS, "all"],
+        help="workload to run (repeatable; default: all)",
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per implementation (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--no-baselines", action="store_true", help="measure the loader only")
+    parser.add_argument("--no-loader", action="store_true", help="measure the baselines only")
+    parser.add_argument("--writers", type=_positive, default=1, help="writer processes per rank (default 1)")
+    parser.add_argument("--readers", type=_positive, default=1, help="reader processes per rank (default 1)")
+    parser.add_argument(
+        "--ranks",
+        type=_positive,
+        default=1,
+        help="trainer ranks of one node sharing one buffer, each its own process (default 1)",
+    )
+    parser.add_argument(
+        "--shaped-floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the copy floor with the loader's processes (default: with the baselines)",
+    )
+    parser.add_argument("--redis-url", default=None, help="Redis to use (default: embedded private server)")
+    parser.add_argument("--log-level", default="INFO", help="logging level for progress on stderr")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
+    results = [
+        run_workload(
+            name,
+            args.seconds,
+            loader=not args.no_loader,
+            baselines=not args.no_baselines,
+            redis_url=args.redis_url,
+            writers=args.writers,
+            readers=args.readers,
+            ranks=args.ranks,
+            shaped=args.shaped_floor,
+        )
+        for name in names
+    ]
+    sys.stdout.write(json.dumps(results, indent=2) + "\n" if args.json else format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

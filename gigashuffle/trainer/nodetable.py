@@ -1,0 +1,95 @@
+"""The trainer's handle on its node's slot table, and on the buffer metadata that a rejoin publishes again.
+
+The trainer never reads rows from the buffer (batches come through the reader rings), but it maps the node's slot
+table: it returns a dead child's slots (``repair``), answers ``stats()`` and ``evict()``, and hands the heartbeat
+the counts that ``gigashuffle stats`` shows. Mapping the table is also the moment the trainer reads and verifies
+the buffer's metadata, and keeps it: it is what the trainer publishes again when Redis forgot the session
+(NOTE [ Rejoining ] in trainer/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from gigashuffle.config import DataloaderConfig
+from gigashuffle.control.plane import NodeCounts
+from gigashuffle.control.session import NodeSession
+from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
+from gigashuffle.errors import AttachError, GigashuffleError
+from gigashuffle.host.secret import node_secret
+from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.slottable import SlotTable, table_nbytes
+
+log = logging.getLogger(__name__)
+
+# How long one try to map the table waits for a child's attach socket to answer (the loader tries again later).
+_ATTACH_TABLE_S = 2.0
+
+
+class TableView:
+    """The node's slot table as the trainer sees it: mapped on first use, closed with the loader."""
+
+    def __init__(self, config: DataloaderConfig, session: NodeSession, runtime_path: Path) -> None:
+        self._config = config
+        self._session = session
+        self._secret = node_secret(runtime_path)
+        self._table: SlotTable | None = None
+        self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned
+
+    @property
+    def mapped(self) -> SlotTable | None:
+        """The table if it is mapped already; never tries to map it."""
+        return self._table
+
+    def get(self) -> SlotTable | None:
+        """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
+        if self._table is None and "hmac" in self._session.store.meta():
+            queue = self._config.queue_name
+            try:
+                buffer_fd, table_fd = fetch_node_fds(self._session.store, queue, _ATTACH_TABLE_S)
+            except AttachError as exc:
+                log.debug("slot table not mapped yet: %s", exc)
+                return None
+            os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
+            slots = self._config.shuffle_size
+            self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+            self._keep_meta()
+        return self._table
+
+    def counts(self) -> NodeCounts | None:
+        """The table's counts for the heartbeat (its thread; the table locks against ours)."""
+        table = self._table
+        if table is None:
+            return None
+        try:  # without the lock: a stopped lock holder must not stop the heartbeat (NOTE [ A stopped lock holder ])
+            written, read, stats = table.counts()
+            lock = table.lock_usage()
+        except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
+            return None
+        at_ns = time.monotonic_ns()
+        return written, read, stats.full, stats.empty, stats.in_flight, round(lock.held_s * 1e9), at_ns
+
+    def republish(self) -> None:
+        """Publish the kept metadata under the session's new generation (the first rank to do so wins)."""
+        if self._meta_fields:
+            store = self._session.store
+            store.seed(signed_meta(self._secret, store.generation, self._meta_fields))
+
+    def _keep_meta(self) -> None:
+        store = self._session.store
+        meta = store.meta()
+        try:
+            verified_layout(self._secret, store.generation, meta, self._config.queue_name)
+        except GigashuffleError as exc:
+            log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
+            return
+        self._meta_fields = unsigned_fields(meta)
+
+    def close(self) -> None:
+        if self._table is not None:
+            self._table.close()
+            self._table = None
