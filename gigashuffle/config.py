@@ -20,6 +20,8 @@ _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 # way only.
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_URL_FIX = "use redis://host:port/db, rediss://... or unix:///path/to.sock"
+REDIS_URL_ENV = "GIGASHUFFLE_REDIS_URL"
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
@@ -33,6 +35,22 @@ RANK_ENV: tuple[tuple[str, str, int], ...] = (
     ("local_world_size", "LOCAL_WORLD_SIZE", 1),
     ("global_world_size", "WORLD_SIZE", 1),
 )
+
+
+def redis_url_in_use(explicit: str | None, where: str = "redis_url") -> str | None:
+    """The one Redis a loader or the CLI is pointed at: ``explicit`` (a config's URL, or ``--redis``), else
+    ``$GIGASHUFFLE_REDIS_URL``; None means the embedded server. A URL of another scheme is a ValueError that says
+    where it came from."""
+    if explicit:
+        url = explicit
+    elif env_url := os.environ.get(REDIS_URL_ENV):
+        where, url = REDIS_URL_ENV, env_url
+    else:
+        return None
+    if not url.startswith(_URL_SCHEMES):
+        unset = ", or unset it to use the embedded server" if where == REDIS_URL_ENV else ""
+        raise ValueError(f"{where} {url!r} is invalid: {_URL_FIX}{unset}")
+    return url
 
 
 def _fail(field: str, value: object, fix: str) -> ValueError:
@@ -254,7 +272,7 @@ class DataloaderConfig:
     def _check_redis(self) -> None:
         url = self.redis_url
         if url is not None and not url.startswith(_URL_SCHEMES):
-            raise _fail("redis_url", url, "use redis://host:port/db, rediss://... or unix:///path/to.sock")
+            raise _fail("redis_url", url, _URL_FIX)
         legacy = (self.redis_host, self.redis_port, self.redis_db)
         if url is not None and any(v is not None for v in legacy):
             raise _fail("redis_url", url, "give either redis_url or redis_host/redis_port/redis_db, not both")

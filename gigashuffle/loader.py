@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -15,10 +14,10 @@ import numpy.typing as npt
 import torch
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.control import dummyrow, embedded
-from gigashuffle.control.client import Client, connect
+from gigashuffle.control import dummyrow
+from gigashuffle.control.client import Client
 from gigashuffle.control.keys import QueueKeys
-from gigashuffle.control.session import NodeSession
+from gigashuffle.control.link import ControlLink
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
@@ -39,23 +38,6 @@ _SLOW_WARNING_S = 60.0
 _LOCK_PATIENCE_S = 30.0
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
 _PENDING_PUMP_S = 0.002
-
-
-def resolve_redis_url(config: DataloaderConfig) -> tuple[str, embedded.EmbeddedServer | None]:
-    """The Redis to use: ``redis_url``, the seed's host/port/db, ``$GIGASHUFFLE_REDIS_URL``, else embedded."""
-    url = config.redis_url or config.legacy_redis_url()
-    if url:
-        return url, None
-    env_url = os.environ.get("GIGASHUFFLE_REDIS_URL")
-    if env_url:
-        if not env_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(
-                f"GIGASHUFFLE_REDIS_URL={env_url!r} is invalid: use redis://host:port/db, rediss://... or "
-                "unix:///path/to.sock, or unset it to use the embedded server"
-            )
-        return env_url, None
-    server = embedded.acquire(config.node)
-    return server.url, server
 
 
 class MultiprocessShuffledDataloader:
@@ -83,20 +65,12 @@ class MultiprocessShuffledDataloader:
         remove_stale_sockets(directory)
         self._secret = node_secret(directory)
         self._dummy: tuple[Layout, bytes] | None = None  # the verified dummy row, once read (it never changes)
-        self.redis_url, server = resolve_redis_url(config)
-        client: Client | None = None
-        session: NodeSession | None = None
+        link = ControlLink.open(config)
+        self.redis_url = link.url
         try:
-            client = connect(self.redis_url, config.redis_timeout_s)
-            session = NodeSession(client, config)
-            self._sup = Supervisor(config, dataset, client, self.redis_url, server, session, str(directory))
+            self._sup = Supervisor(config, dataset, link, str(directory))
         except BaseException:
-            if session is not None:
-                session.leave()
-            if client is not None:
-                client.close()
-            if server is not None:
-                embedded.release(server)
+            link.close()
             raise
         self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
         self._pass_open = False
@@ -296,7 +270,7 @@ class MultiprocessShuffledDataloader:
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
         self._check_open()
-        self._sup.context = (True, context)
+        self._sup.context = context
         self._sup.send_to_writers(SetContext(context))
 
     def state_dict(self) -> dict[str, Any]:
@@ -391,7 +365,8 @@ def _full_slots(sup: Supervisor) -> int:
 
 
 def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
-    """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop."""
+    """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop
+    (NOTE [ Shutdown ] in trainer/supervisor.py)."""
     try:
         placement.close()
     finally:

@@ -128,8 +128,3 @@ def run_script(script: Script, keys: list[str], args: list[Any], where: str = ""
         except NoScriptError:
             text = cast(str, script.script)  # every script here is registered from a str constant
             return script.registered_client.eval(text, len(keys), *keys, *args)
-
-
-def close(client: Client) -> None:
-    """Close every pooled connection of ``client`` (plain or cluster)."""
-    client.close()

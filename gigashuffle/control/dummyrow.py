@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.control.client import Client, address, run_script, translate_errors
+from gigashuffle.control.client import Client, address, translate_errors
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 from gigashuffle.control.signedmeta import verified_layout
@@ -38,15 +38,6 @@ from gigashuffle.schema import INDEX_KEY, Layout
 log = logging.getLogger(__name__)
 
 _SLOW_WARNING_S = 60.0  # get_dummy_batch() logs a warning this often while it waits
-
-# KEYS: gen, dummy. ARGV: gen, then field/value pairs. 1: published; 0: an earlier publication stands;
-# -1: this process belongs to a session that is gone (its writes must not reach the new one).
-_PUBLISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 2))
-return 1
-"""
 
 
 def is_dummy_writer(config: DataloaderConfig, index: int) -> bool:
@@ -69,27 +60,19 @@ def _absent_signature(secret: bytes, generation: str) -> str:
     return sign(secret, b"dummy-absent", generation.encode())
 
 
-def _publish(client: Client, keys: QueueKeys, generation: str, fields: dict[str, bytes | str]) -> int:
-    script = client.register_script(_PUBLISH)
-    pairs = [x for item in fields.items() for x in item]
-    return int(run_script(script, [keys.gen, keys.dummy], [generation, *pairs], address(client)))
-
-
-def publish_row(
-    client: Client, keys: QueueKeys, secret: bytes, generation: str, layout_json: bytes, row: bytes, by: str
-) -> bool:
+def publish_row(store: ControlPlane, secret: bytes, generation: str, layout_json: bytes, row: bytes, by: str) -> bool:
     """Publish the dummy row (first publication wins); True if this call published it."""
     signature = _row_signature(secret, generation, layout_json, row)
-    result = _publish(client, keys, generation, {"row": row, "layout": layout_json, "hmac": signature, "by": by})
+    result = store.publish_dummy(generation, {"row": row, "layout": layout_json, "hmac": signature, "by": by})
     if result < 0:
         log.debug("dummy row of %s not published: the session %s is gone", by, generation)
     return result == 1
 
 
-def publish_absent(client: Client, keys: QueueKeys, secret: bytes, generation: str, by: str) -> bool:
+def publish_absent(store: ControlPlane, secret: bytes, generation: str, by: str) -> bool:
     """Record that the designated writer has no rows (an empty share); the dummy batch then falls back."""
     fields: dict[str, bytes | str] = {"absent": b"1", "hmac": _absent_signature(secret, generation), "by": by}
-    return _publish(client, keys, generation, fields) == 1
+    return store.publish_dummy(generation, fields) == 1
 
 
 def read(client: Client, keys: QueueKeys) -> dict[str, bytes]:

@@ -31,6 +31,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from gigashuffle.control.keys import EMBEDDED_USERS
 from gigashuffle.control.plane import text
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.pids import pid_alive
@@ -38,7 +39,6 @@ from gigashuffle.host.rundir import remove_socket, runtime_dir
 
 log = logging.getLogger(__name__)
 
-USERS_KEY = "gigashuffle:embedded:users"
 _START_TIMEOUT_S = 15.0
 _DEATHSIG_EXEC = (
     "import ctypes, os, signal, sys\n"
@@ -169,7 +169,7 @@ def acquire(node: str) -> EmbeddedServer:
         process = None if answers(path) else _start(path, directory)
         client = _client(path)
         try:
-            client.sadd(USERS_KEY, token)
+            client.sadd(EMBEDDED_USERS, token)
         finally:
             client.close()
     log.debug("using embedded Redis at %s (started here: %s)", path, process is not None)
@@ -183,11 +183,11 @@ def release(server: EmbeddedServer) -> None:
     with _node_lock(directory, node):
         client = _client(server.socket_path)
         try:
-            client.srem(USERS_KEY, server.token)
-            users = [text(u) for u in client.smembers(USERS_KEY)]
+            client.srem(EMBEDDED_USERS, server.token)
+            users = [text(u) for u in client.smembers(EMBEDDED_USERS)]
             dead = [u for u in users if not pid_alive(int(u.split(":", 1)[0]))]
             if dead:
-                client.srem(USERS_KEY, *dead)
+                client.srem(EMBEDDED_USERS, *dead)
             if len(users) == len(dead):
                 with contextlib.suppress(redis.ConnectionError):
                     client.shutdown(nosave=True)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 PREFIX = "gigashuffle"
 META_PATTERN = f"{PREFIX}:{{*}}:meta"
 CONF_PATTERN = f"{PREFIX}:{{*}}:conf"
+# The set of tokens of the trainers using a server's embedded instance: the one key that belongs to no queue.
+EMBEDDED_USERS = f"{PREFIX}:embedded:users"
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class QueueKeys:
     def rank(self, global_rank: int) -> str:
         """A trainer's claim on its rank: a token with a TTL, refreshed by a heartbeat."""
         return self._key(f"rank:{global_rank}")
+
+    @property
+    def rank_pattern(self) -> str:
+        """A SCAN pattern matching every rank claim of this queue on this node."""
+        return self._key("rank:*")
 
     def fixed(self) -> list[str]:
         """The keys every session has, whatever processes joined."""

@@ -25,7 +25,7 @@ local function check_gen(key, gen)
 end
 """
 
-SEED = (
+PUBLISH_META = (
     _PRELUDE
     + """
 -- KEYS: gen, meta
@@ -41,6 +41,18 @@ redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 return 1
 """
 )
+
+PUBLISH_DUMMY = """
+-- KEYS: gen, dummy
+-- ARGV: gen, then field/value pairs
+-- The dummy batch's row (or the mark that the designated writer has none); the first publication stands.
+-- Returns 1: published; 0: an earlier publication stands; -1: the caller's session is gone (its writes must not
+-- reach the new one).
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+return 1
+"""
 
 STATS = """
 -- KEYS: gen, counters, procs

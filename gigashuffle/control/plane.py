@@ -8,17 +8,30 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.typing import EncodableT, FieldT
 
 from gigashuffle.control import lua
 from gigashuffle.control.client import Client, address, run_script, translate_errors
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.errors import RedisUnavailableError
 
-NodeCounts = tuple[int, ...]
+
+class NodeCounts(NamedTuple):
+    """What a heartbeat records for ``gigashuffle stats`` (the field names are the counters hash's)."""
+
+    written: int  # rows committed through the node's slot table, ever
+    read: int  # rows drawn by readers, ever
+    full: int
+    empty: int
+    in_flight: int
+    lock_held_ns: int  # the node lock's total hold time, ever
+    lock_at_ns: int  # CLOCK_MONOTONIC when these were read, so rates divide by the right interval
+
+
 """Rows written and read (totals) and the full, empty and in-flight slots of a node's slot table; then, optionally,
 the node lock's total hold time and the ``CLOCK_MONOTONIC`` time of that reading, both in ns
 (NOTE [ Node lock budget ] in shm/slottable.py; the clock is one per machine, so the readings of a node's ranks
@@ -73,7 +86,8 @@ class ControlPlane:
         self.generation = generation
         self._where = address(client)
         # Script objects load themselves again after a restart wiped the script cache (NOSCRIPT; see run_script).
-        self._seed = client.register_script(lua.SEED)
+        self._publish_meta = client.register_script(lua.PUBLISH_META)
+        self._publish_dummy = client.register_script(lua.PUBLISH_DUMMY)
         self._stats = client.register_script(lua.STATS)
         self._join = client.register_script(lua.JOIN)
         self._restore_claim = client.register_script(lua.RESTORE_CLAIM)
@@ -84,11 +98,16 @@ class ControlPlane:
         return run_script(script, keys, args, self._where)
 
     # -- the buffer and the processes ------------------------------------------------------------------------
-    def seed(self, meta: dict[str, bytes | str]) -> bool:
+    def publish_meta(self, meta: dict[str, bytes | str]) -> bool:
         """Publish the buffer's metadata; False if another process already did."""
         pairs: list[Any] = [x for item in meta.items() for x in item]
         owner = meta.get("owner", b"")
-        return bool(self._run(self._seed, [self.keys.gen, self.keys.meta], [self.generation, owner, *pairs]))
+        return bool(self._run(self._publish_meta, [self.keys.gen, self.keys.meta], [self.generation, owner, *pairs]))
+
+    def publish_dummy(self, generation: str, fields: dict[str, bytes | str]) -> int:
+        """Publish the dummy row's fields (lua.PUBLISH_DUMMY): 1 published, 0 one stands, -1 session gone."""
+        pairs: list[Any] = [x for item in fields.items() for x in item]
+        return int(self._run(self._publish_dummy, [self.keys.gen, self.keys.dummy], [generation, *pairs]))
 
     def register(self, proc: str, info: dict[str, Any]) -> None:
         with translate_errors(self._where):
@@ -168,11 +187,12 @@ class ControlPlane:
         """Give ``rank``'s claim back to ``holder`` after ``extend_claim`` overwrote it, unless it changed since."""
         return bool(self._run(self._restore_claim, [self.keys.rank(rank)], [token, holder, lease_ms]))
 
-    def record_counts(self, counts: NodeCounts) -> None:
-        """Record the node's counts for ``gigashuffle stats``: absolute values, which every rank may write."""
-        fields = ("written", "read", "full", "empty", "in_flight", "lock_held_ns", "lock_at_ns")
+    def record_counts(self, counts: NodeCounts | tuple[int, ...]) -> None:
+        """Record the node's counts for ``gigashuffle stats``: absolute values, which every rank may write. A
+        shorter tuple records its leading fields and leaves the others as they are."""
+        mapping: dict[FieldT, EncodableT] = dict(zip(NodeCounts._fields, counts, strict=False))
         with translate_errors(self._where):
-            self.client.hset(self.keys.counters, mapping=dict(zip(fields, counts, strict=False)))
+            self.client.hset(self.keys.counters, mapping=mapping)
 
     def release_rank(self, rank: int, other_ranks: list[int], token: str) -> bool:
         k = self.keys

@@ -6,11 +6,12 @@ point that picks one is ``procs/childmain.py``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.attach import AttachServer, attach
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope
+from gigashuffle.procs.messages import Role
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
@@ -36,21 +38,27 @@ log = logging.getLogger(__name__)
 _REPAIR_PERIOD_S = 1.0
 
 
+class _NoContext(enum.Enum):
+    # An enum member, not object(): it stays the same object after the spec is unpickled in the child.
+    UNSET = "no training context"
+
+
+NO_CONTEXT = _NoContext.UNSET  # "no context was given", which None (a valid context) cannot say
+
+
 @dataclass
 class ChildSpec:
     """Everything a child needs, pickled by the trainer and unpickled in the child."""
 
-    role: str
+    role: Role
     index: int
     config: DataloaderConfig
     redis_url: str
     generation: str
     runtime_dir: str
     dataset: Any = None
-    context: Any = None
+    context: Any = NO_CONTEXT  # the training context given so far (attach_training_context), if any
     dataset_state: Any = None
-    has_context: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # the job's base seed (NOTE [ Seeds ] in procs/seeds.py)
     start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
 
@@ -124,7 +132,8 @@ class ChildEnv:
             "owner": self.proc.encode(),
             "nbytes": str(buffer.nbytes).encode(),
         }
-        # Listen before publishing, but list the socket in Redis only once the seed is won: a loser's own buffer
+        # Listen before publishing, but list the socket in Redis only once its metadata publication won: a loser's own
+        # buffer
         # must never be handed out (a reader that attached through it would gather zeros forever).
         self.buffer, self.table, self.owner = buffer, table, True
         if not self._publish(fields):
@@ -157,7 +166,7 @@ class ChildEnv:
         self._serve(register=False)
         won = False
         try:
-            won = self.store.seed(signed_meta(self.secret, self.spec.generation, fields))
+            won = self.store.publish_meta(signed_meta(self.secret, self.spec.generation, fields))
         finally:
             if not won:
                 self._drop_buffer()
@@ -228,10 +237,10 @@ class ChildEnv:
         self.spec.generation = self.store.generation = generation
         self.register()
         if self.buffer is not None and self.meta_fields:  # the trainer did so too; whoever is first wins
-            self.store.seed(signed_meta(self.secret, generation, self.meta_fields))
+            self.store.publish_meta(signed_meta(self.secret, generation, self.meta_fields))
         if self.dummy_row is not None:
             layout_json, row = self.dummy_row
-            dummyrow.publish_row(self.client, self.store.keys, self.secret, generation, layout_json, row, self.proc)
+            dummyrow.publish_row(self.store, self.secret, generation, layout_json, row, self.proc)
 
     def close(self) -> None:
         """Stop serving the buffer and drop this process's mappings and Redis connections."""

@@ -7,7 +7,9 @@ The channel is a socketpair that only the trainer's process tree holds, so these
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+Role = Literal["writer", "reader"]  # the two kinds of loader child
 
 # -- child to trainer -----------------------------------------------------------------------------------------
 
@@ -99,3 +101,43 @@ class Rejoin:
 
 ToTrainer = RingReady | Attached | BatchReady | PassEnd | DatasetState | ChildError
 ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest | Rejoin
+
+
+# -- trainer and its zygote (NOTE [ Why a zygote ] in procs/zygote.py) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Trainer to zygote: fork a child running ``childmain.child_main(payload)``; the child's end of its channel
+    travels with this message as the one fd."""
+
+    seq: int  # the request number: the trainer names the child by it until its pid is known
+    payload: bytes
+    title: str
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Trainer to zygote: SIGKILL the child of request ``seq`` if it is still unreaped (its pid cannot have been
+    reused then)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """Zygote to trainer: request ``seq`` runs as ``pid``."""
+
+    seq: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """Zygote to trainer: child ``pid`` was reaped with ``exitcode`` (negative: killed by that signal)."""
+
+    pid: int
+    exitcode: int
+
+
+ZygoteEvent = Spawned | Exited

@@ -31,23 +31,21 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data import get_worker_info
 
 from gigashuffle.control import dummyrow
 from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.childenv import NO_CONTEXT, Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
 from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
-from gigashuffle.procs.seeds import writer_seed
+from gigashuffle.procs.workerinfo import become_worker
 from gigashuffle.schema import Layout
 from gigashuffle.shm.picker import NO_IDS
 from gigashuffle.shm.slottable import SlotIds, SlotTable
@@ -109,7 +107,7 @@ class _Chunks:
 
     def _idle(self, passes: int) -> None:
         """Wait, serving the trainer, until a new context or dataset state may give this writer rows again."""
-        info = torch_worker._worker_info
+        info = get_worker_info()
         who = f"writer {self.env.spec.index} (get_worker_info().id={info.id} of {info.num_workers})" if info else ""
         cfg = self.env.config
         log.info(
@@ -121,7 +119,7 @@ class _Chunks:
         self.before_idle()
         if dummyrow.is_dummy_writer(cfg, self.env.spec.index):
             env = self.env
-            dummyrow.publish_absent(env.client, env.store.keys, env.secret, env.spec.generation, env.proc)
+            dummyrow.publish_absent(env.store, env.secret, env.spec.generation, env.proc)
         deadline = time.monotonic() + _EMPTY_SHARE_GRACE_S
         published = False
         while True:
@@ -151,22 +149,6 @@ def _is_empty(chunk: Any) -> bool:
         return False  # malformed: let the layout check explain what is wrong
 
 
-def _set_worker_info(spec: ChildSpec) -> int:
-    """Make ``torch.utils.data.get_worker_info()`` describe this writer among all writers of the job, and seed
-    ``random``, numpy and torch with its seed (NOTE [ Seeds ] in procs/seeds.py)."""
-    cfg = spec.config
-    worker_id = cfg.global_rank * cfg.num_writers + spec.index
-    num_workers = cfg.global_world_size * cfg.num_writers
-    seed = writer_seed(spec.seed, worker_id, num_workers, spec.start)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits, as torch's docs suggest for workers
-    torch.manual_seed(seed)
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=worker_id, num_workers=num_workers, seed=seed, dataset=spec.dataset
-    )
-    return worker_id
-
-
 def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
     """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state)."""
     dataset = env.spec.dataset
@@ -190,8 +172,8 @@ def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:
-    _set_worker_info(spec)
-    if spec.has_context:
+    become_worker(spec.config, spec.index, spec.dataset, spec.seed, spec.start)
+    if spec.context is not NO_CONTEXT:
         spec.dataset.context = spec.context
     if spec.dataset_state is not None:
         spec.dataset.load_state_dict(spec.dataset_state)
@@ -228,7 +210,7 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
     env.channel.send(Attached())
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
-        dummyrow.publish_row(env.client, env.store.keys, env.secret, spec.generation, *env.dummy_row, env.proc)
+        dummyrow.publish_row(env.store, env.secret, spec.generation, *env.dummy_row, env.proc)
     _write_forever(env, chunks, chunk, layout)
 
 

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from gigashuffle.procs.channel import Channel, ChannelClosed
+from gigashuffle.procs.messages import Exited, Kill, Spawn, Spawned
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _reap(trainer: Channel, children: dict[int, int]) -> None:
         if pid == 0:
             return
         children.pop(pid, None)
-        trainer.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+        trainer.send(Exited(pid, os.waitstatus_to_exitcode(status)))
 
 
 def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -> int:
@@ -80,15 +81,14 @@ def serve(trainer: Channel) -> None:
             if not trainer.poll(_POLL_S):
                 continue
             message, fds = trainer.recv()
-            if message[0] == "spawn":
-                _kind, seq, payload, title = message
-                pid = _fork_child(trainer, payload, title, fds[0])
-                children[pid] = seq
-                trainer.send(("spawned", seq, pid))
-            elif message[0] == "kill":
+            if isinstance(message, Spawn):
+                pid = _fork_child(trainer, message.payload, message.title, fds[0])
+                children[pid] = message.seq
+                trainer.send(Spawned(message.seq, pid))
+            elif isinstance(message, Kill):
                 # By request number, and only while unreaped: the pid cannot have been reused by then.
                 for pid, seq in children.items():
-                    if seq == message[1]:
+                    if seq == message.seq:
                         os.kill(pid, signal.SIGKILL)
                         break
     except (ChannelClosed, ConnectionError):
@@ -139,10 +139,6 @@ def main(argv: list[str]) -> int:
         pickling,  # noqa: F401  (child: the loops, the slot table and the control plane)
     )
 
-    try:
-        trainer.send(("ready", os.getpid()))
-    except OSError:
-        return 0  # the loader was closed while we started: nothing to serve
     serve(trainer)
     return 0
 

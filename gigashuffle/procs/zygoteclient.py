@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.procs.channel import Channel, ChannelClosed
+from gigashuffle.procs.messages import Kill, Role, Spawn, ZygoteEvent
 from gigashuffle.shm.buffer import BatchRing
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ _ZYGOTE_EXIT_TIMEOUT_S = 10.0
 class ChildProcess:
     """One writer or reader, as the trainer tracks it."""
 
-    role: str
+    role: Role
     index: int
     seq: int
     channel: Channel
@@ -71,7 +72,7 @@ class Zygote:
     """Starts the zygote process and asks it for children (see NOTE [ Why a zygote ] in ``procs/zygote.py``).
 
     Nothing here waits for the zygote: spawn requests queue up in the channel while it imports torch, and its
-    replies (``ready``, ``spawned``, ``exited``) are read by whoever polls ``events()``.
+    replies (``Spawned``, ``Exited``) are read by whoever polls ``events()``.
     """
 
     def __init__(self, title: str) -> None:
@@ -103,28 +104,28 @@ class Zygote:
     def spawn(self, payload: bytes, title: str) -> tuple[int, Channel]:
         """Ask for a child running ``child.child_main(payload)``; returns a request number and its channel.
 
-        The child's pid arrives later as ``("spawned", seq, pid)`` from ``events()``.
+        The child's pid arrives later as ``Spawned(seq, pid)`` from ``events()``.
         """
         ours, theirs = Channel.pair()
         seq = self._next_seq
         self._next_seq += 1
         try:
-            self.channel.send(("spawn", seq, payload, title), (theirs.fileno(),))
+            self.channel.send(Spawn(seq, payload, title), (theirs.fileno(),))
         finally:
             theirs.close()
         return seq, ours
 
     def kill(self, seq: int) -> None:
-        """SIGKILL the child of spawn request ``seq`` if it still runs; its exit arrives as an ``exited`` event."""
-        self.channel.send(("kill", seq))
+        """SIGKILL the child of spawn request ``seq`` if it still runs; its exit arrives as an ``Exited`` event."""
+        self.channel.send(Kill(seq))
 
-    def events(self) -> list[tuple[object, ...]]:
+    def events(self) -> list[ZygoteEvent]:
         """Messages the zygote sent since the last call; raises if the zygote itself died."""
         found = []
         try:
             while self.channel.poll(0):
                 message, _ = self.channel.recv()
-                found.append(tuple(message))
+                found.append(message)
         except (ChannelClosed, ConnectionError):
             code = self._proc.wait()
             raise GigashuffleError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import signal
 import sys
 import threading
@@ -27,7 +26,6 @@ COLUMNS = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "proc
            "read_per_s", "lock_busy_pct", "generation"]  # fmt: skip
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: what top does between refreshes
 DEFAULT_WATCH_S = 2.0
-_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class CliError(Exception):
@@ -45,18 +43,14 @@ def embedded_servers() -> list[str]:
     return [f"unix://{path}" for path in sorted(runtime_dir().glob("redis-*.sock")) if answers(path)]
 
 
-def _check_url(url: str, where: str) -> str:
-    if not url.startswith(_URL_SCHEMES):
-        raise CliError(f"{where} {url!r} is invalid: use redis://host:port/db, rediss://... or unix:///path/to.sock")
-    return url
-
-
 def _fixed_server(explicit: str | None) -> str | None:
     """The one server named by --redis or $GIGASHUFFLE_REDIS_URL; None: list the embedded servers."""
-    if explicit:
-        return _check_url(explicit, "--redis")
-    url = os.environ.get("GIGASHUFFLE_REDIS_URL")
-    return _check_url(url, "GIGASHUFFLE_REDIS_URL") if url else None
+    from gigashuffle.config import redis_url_in_use
+
+    try:
+        return redis_url_in_use(explicit, "--redis")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _no_embedded_server() -> str:

@@ -55,7 +55,7 @@ def sample(client: Client, server: str = "") -> list[Sample]:
         at = time.monotonic()
         stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (every HEARTBEAT_S)
         size = int(store.meta().get("slots", b"0"))
-        ranks = len(_scan(client, keys.rank(0).rsplit(":", 1)[0] + ":*"))
+        ranks = len(_scan(client, keys.rank_pattern))
         row = {
             "queue": keys.queue,
             "node": keys.node,

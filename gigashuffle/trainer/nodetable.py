@@ -71,13 +71,13 @@ class TableView:
         except (ValueError, IndexError, OSError):  # closed meanwhile by shutdown(): its views and fd are gone
             return None
         at_ns = time.monotonic_ns()
-        return written, read, stats.full, stats.empty, stats.in_flight, round(lock.held_s * 1e9), at_ns
+        return NodeCounts(written, read, stats.full, stats.empty, stats.in_flight, round(lock.held_s * 1e9), at_ns)
 
     def republish(self) -> None:
         """Publish the kept metadata under the session's new generation (the first rank to do so wins)."""
         if self._meta_fields:
             store = self._session.store
-            store.seed(signed_meta(self._secret, store.generation, self._meta_fields))
+            store.publish_meta(signed_meta(self._secret, store.generation, self._meta_fields))
 
     def _keep_meta(self) -> None:
         store = self._session.store

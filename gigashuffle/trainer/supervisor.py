@@ -33,6 +33,27 @@ start before the ranks that can have: finding no metadata, it looks for the node
 directory and publishes that one again (NOTE [ A buffer Redis forgot ] in procs/forgottenbuffer.py), so a node keeps one
 buffer.
 Only a Redis that stays unreachable past ``redis_timeout_s`` fails the loader (``QueueStateLostError``).
+
+NOTE [ Shutdown ]
+The teardown order, per actor, written once; each step assumes the ones before it are done.
+* Trainer (``loader.close()``, ``__exit__``, or the loader's ``weakref.finalize`` at garbage collection or
+  interpreter exit; all run ``_shutdown`` in loader.py once):
+  1. the placement waits for copies still reading the reader rings (pinned or on a GPU), then unregisters the
+     rings: a ring must stay mapped while a DMA reads it;
+  2. ``Supervisor.shutdown`` (idempotent): the zygote kills every child and reaps them (``Zygote.close``); the
+     children's attach sockets go; then the slot table is repaired for the children known reaped (other ranks'
+     children go on and need the slots ours held) and only then unmapped: repair needs the table and its lock fd;
+  3. the control link closes last (``ControlLink.close``): leave the node session (the last rank deletes the
+     queue's keys), close the client, release the embedded server (its last user shuts it down).
+  A half-built loader undoes the same steps for what it opened: ``ControlLink.open`` its own, the Supervisor's
+  constructor the zygote.
+* Zygote: when its channel closes (the trainer closed it or died), it SIGKILLs its children, reaps them, removes
+  their attach sockets and exits without interpreter teardown (``procs/zygote.py``).
+* Child: dies with the zygote (PR_SET_PDEATHSIG); a child that exits on its own closes its attach server, its
+  maps and its Redis client (``ChildEnv.close``). It never repairs for itself: a dead child's slots are the next
+  lock holder's to repair (NOTE [ Slot table ] in shm/slottable.py).
+* Embedded server: stopped by the last live user's release; one whose starter died is found dead by the next
+  user and its socket file removed.
 """
 
 from __future__ import annotations
@@ -46,13 +67,11 @@ from pathlib import Path
 from typing import Any
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.control import embedded
-from gigashuffle.control.client import Client
-from gigashuffle.control.session import NodeSession, leave_at_close
+from gigashuffle.control.link import ControlLink
 from gigashuffle.errors import GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.channel import ChannelClosed
-from gigashuffle.procs.childenv import ChildSpec, proc_name
+from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec, proc_name
 from gigashuffle.procs.messages import (
     Attached,
     BatchReady,
@@ -62,7 +81,10 @@ from gigashuffle.procs.messages import (
     PassEnd,
     Rejoin,
     RingReady,
+    Role,
+    Spawned,
     ToChild,
+    ZygoteEvent,
 )
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.seeds import base_seed
@@ -85,18 +107,15 @@ class Supervisor:
         self,
         config: DataloaderConfig,
         dataset: Any,
-        client: Client,
-        redis_url: str,
-        server: embedded.EmbeddedServer | None,
-        session: NodeSession,
+        link: ControlLink,
         runtime_dir: str,
     ) -> None:
         self.config = config
         self.dataset = dataset
-        self.client = client
-        self.redis_url = redis_url
-        self.server = server
-        self.session = session
+        self.link = link  # closed last by shutdown(): NOTE [ Shutdown ]
+        self.client = link.client
+        self.redis_url = link.url
+        session = self.session = link.session
         self.runtime_dir = runtime_dir
         self.runtime_path = Path(runtime_dir)
         self.children: list[ChildProcess] = []
@@ -107,7 +126,7 @@ class Supervisor:
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
-        self.context: tuple[bool, Any] = (False, None)
+        self.context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
         self.dataset_states: list[Any] | None = None
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
@@ -129,13 +148,16 @@ class Supervisor:
             raise
 
     def _spawn_all(self) -> None:
-        for role, count in (("writer", self.config.num_writers), ("reader", self.config.num_readers)):
+        counts: tuple[tuple[Role, int], ...] = (
+            ("writer", self.config.num_writers),
+            ("reader", self.config.num_readers),
+        )
+        for role, count in counts:
             for index in range(count):
                 self.children.append(self._spawn(role, index, restarts=0))
 
     # -- spawning --------------------------------------------------------------------------------------------
-    def _spec(self, role: str, index: int) -> bytes:
-        has_context, context = self.context
+    def _spec(self, role: Role, index: int) -> bytes:
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -146,8 +168,7 @@ class Supervisor:
             generation=self.session.generation,
             runtime_dir=self.runtime_dir,
             dataset=self.dataset if role == "writer" else None,
-            context=context,
-            has_context=has_context,
+            context=self.context,
             dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
             seed=self.seed,
             start=start,
@@ -161,7 +182,7 @@ class Supervisor:
                 "__iter__ (open them there)"
             ) from exc
 
-    def _spawn(self, role: str, index: int, restarts: int) -> ChildProcess:
+    def _spawn(self, role: Role, index: int, restarts: int) -> ChildProcess:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._spec(role, index), title)
@@ -229,17 +250,16 @@ class Supervisor:
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
-    def _on_zygote_event(self, event: tuple[Any, ...]) -> None:
-        kind = event[0]
-        if kind == "spawned":
+    def _on_zygote_event(self, event: ZygoteEvent) -> None:
+        if isinstance(event, Spawned):
             for child in self.children:
-                if child.seq == event[1] and child.pid is None:
-                    child.pid = int(event[2])
+                if child.seq == event.seq and child.pid is None:
+                    child.pid = event.pid
                     child.proc_id = proc_name(self.config.global_rank, child.role, child.index, child.pid)
-        elif kind == "exited":
+        else:
             for child in self.children:
-                if child.pid == event[1] and child.alive:
-                    self._on_exit(child, int(event[2]))
+                if child.pid == event.pid and child.alive:
+                    self._on_exit(child, event.exitcode)
 
     def _on_exit(self, child: ChildProcess, exitcode: int) -> None:
         self._drain(child)
@@ -393,7 +413,8 @@ class Supervisor:
 
     # -- teardown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every child and release every resource; safe to call twice and from a finalizer."""
+        """Stop every child and release every resource (NOTE [ Shutdown ]); safe to call twice and from a
+        finalizer."""
         if self.closed:
             return
         self.closed = True
@@ -414,8 +435,5 @@ class Supervisor:
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self.node_table.close()
-        leave_at_close(self.session, self.redis_url, self.server)
-        self.client.close()
-        if self.server is not None:
-            embedded.release(self.server)
+        self.link.close()
         log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())

@@ -167,12 +167,12 @@ def test_sigkilled_child_fails_fast_without_restarts(
 def test_seed_race_loser_never_hands_out_its_own_buffer(
     chaos: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
-    """Regression: a writer that loses the SEED race must never serve the buffer it allocated.
+    """Regression: a writer that loses the PUBLISH_META race must never serve the buffer it allocated.
 
     Found by the owner-kill runs (a batch of all-zero rows). Both writers allocate a buffer and start serving it
-    before SEED decides the owner; the loser used to list its socket in Redis first, so a reader that saw the
+    before PUBLISH_META decides the owner; the loser used to list its socket in Redis first, so a reader that saw the
     winner's metadata and attached in that window mapped the loser's never-written buffer and gathered zeros
-    forever. The interleaving is forced here in-process: the reader attaches from inside the loser's SEED call.
+    forever. The interleaving is forced here in-process: the reader attaches from inside the loser's PUBLISH_META call.
     """
     import itertools
 
@@ -185,7 +185,7 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
     from gigashuffle.procs.channel import Channel
     from gigashuffle.schema import Layout
 
-    rng = chaos.begin("owner seed race", "reader attaches while the SEED loser still serves", seed, redis_url)
+    rng = chaos.begin("owner seed race", "reader attaches while the PUBLISH_META loser still serves", seed, redis_url)
     numbers = itertools.count()
     # Every ChildEnv here shares this pid; give each its own attach socket, as separate processes would have.
     monkeypatch.setattr(childenv, "attach_socket_path", lambda pid, d: d / f"attach-{pid}-{next(numbers)}.sock")
@@ -234,7 +234,7 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
         some = torch.tensor(sorted(rng.sample(range(rows), 4)))
         got, want = reader.buffer.read_rows(some), winner.buffer.read_rows(some)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (
-            "the reader mapped a buffer other than the published one (the SEED loser's): it reads zeros"
+            "the reader mapped a buffer other than the published one (the PUBLISH_META loser's): it reads zeros"
         )
     finally:
         for env in envs:

@@ -116,7 +116,7 @@ def test_a_writer_adopts_the_live_buffer_redis_forgot(children: Children, forgot
     assert verified_layout(adopter.secret, forgotten.generation, meta, QUEUE) == LAYOUT, "signed under the new session"
     assert meta["owner"] == owner.proc.encode(), "the metadata still names the process that allocated it"
 
-    # Another writer that adopts it too publishes the same metadata: SEED takes it as the owner's retry.
+    # Another writer that adopts it too publishes the same metadata: PUBLISH_META takes it as the owner's retry.
     again = children.env(forgotten.config, forgotten.generation)
     served = find_served_buffer(children.runtime_dir, again.scope)
     assert served is not None and again.adopt_buffer(served) is True

@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
             del batch, group, bid, bcheck, bx
             batches += 1
             if batches == 1 and args.pid_dir:
-                started = loader._sup.server is not None and loader._sup.server.process is not None
+                started = loader._sup.link.server is not None and loader._sup.link.server.process is not None
                 info = {"pid": os.getpid(), "rank": rank, "started_embedded_server": started}
                 _atomic_write(Path(args.pid_dir) / f"rank-{rank}.json", json.dumps(info))
             if args.batches and batches >= args.batches and node_writers <= _writers_seen(ids):

@@ -40,18 +40,18 @@ def test_every_key_of_a_queue_shares_one_hash_tag() -> None:
 
 
 def test_seed_publishes_meta_once(store: ControlPlane) -> None:
-    assert store.seed({"layout": "L1", "slots": "10", "first_row": b"\x00\xff", "owner": "w0"}) is True
+    assert store.publish_meta({"layout": "L1", "slots": "10", "first_row": b"\x00\xff", "owner": "w0"}) is True
     assert store.meta() == {"layout": b"L1", "slots": b"10", "first_row": b"\x00\xff", "owner": b"w0"}
     # A retry of the winner's call (a lost reply) still says it won; a second writer loses and changes nothing.
-    assert store.seed({"layout": "L1", "slots": "10", "owner": "w0"}) is True
-    assert store.seed({"layout": "L2", "slots": "10", "owner": "w1"}) is False
+    assert store.publish_meta({"layout": "L1", "slots": "10", "owner": "w0"}) is True
+    assert store.publish_meta({"layout": "L2", "slots": "10", "owner": "w1"}) is False
     assert store.meta()["layout"] == b"L1"
 
 
 def test_stale_generation_is_refused(store: ControlPlane, client: Client) -> None:
     stale = ControlPlane(client, KEYS, generation="gen-0")
     calls = {
-        "seed": lambda: stale.seed({"layout": "x", "owner": "w9"}),
+        "publish_meta": lambda: stale.publish_meta({"layout": "x", "owner": "w9"}),
     }
     for name, call in calls.items():
         with pytest.raises(QueueStateLostError, match="gen-0") as info:
@@ -61,10 +61,10 @@ def test_stale_generation_is_refused(store: ControlPlane, client: Client) -> Non
 
 
 def test_state_lost_after_flush_is_refused(store: ControlPlane, client: Client) -> None:
-    assert store.seed({"layout": "x", "owner": "w0"})
+    assert store.publish_meta({"layout": "x", "owner": "w0"})
     client.flushall()
     with pytest.raises(QueueStateLostError, match="Redis was restarted"):
-        store.seed({"layout": "x", "owner": "w0"})
+        store.publish_meta({"layout": "x", "owner": "w0"})
     assert store.extend_claim(0, "token", 1000) is None  # nothing to extend
     assert client.dbsize() == 0  # a stale process recreated nothing
 

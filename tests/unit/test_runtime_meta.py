@@ -200,7 +200,7 @@ def published(client: Client) -> tuple[ControlPlane, bytes]:
     keys = QueueKeys(QUEUE, "n0")
     client.set(keys.gen, GEN)
     store = ControlPlane(client, keys, generation=GEN)
-    assert store.seed(signed_meta(secret, GEN, fields()))
+    assert store.publish_meta(signed_meta(secret, GEN, fields()))
     return store, secret
 
 

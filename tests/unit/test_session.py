@@ -245,11 +245,11 @@ def test_last_leave_deletes_every_key_of_the_queue(
     other_node = join(config(2))
     store = s0.store
     # A running session: metadata, two registered processes, flushed counters.
-    assert store.seed({"layout": "{}", "slots": "10", "owner": "w0"})
+    assert store.publish_meta({"layout": "{}", "slots": "10", "owner": "w0"})
     store.register("w0", {"role": "writer"})
     store.register("r0", {"role": "reader"})
     store.record_counts((6, 2, 4, 4, 2))
-    assert dummyrow.publish_absent(client, NODE0, b"secret", store.generation, "w0")  # the dummy row's key
+    assert dummyrow.publish_absent(store, b"secret", store.generation, "w0")  # the dummy row's key
     ours = {k for k in all_keys(client) if QueueKeys.parse_tag(k) == (QUEUE, "n0")}
     expected = {*NODE0.fixed(), NODE0.rank(0), NODE0.rank(1)}
     assert ours == expected
