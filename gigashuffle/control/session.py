@@ -22,7 +22,7 @@ and this trainer's session is lost. A retried SET finds its own token, so retrie
 ``VERIFY_EVERY``-th beat (10 s) also reads the generation and the server's ``run_id``: a server restored from a
 snapshot or failed over to a replica may hold this very claim and still be another server, and a generation
 key that is gone or replaced while the claim stayed means a new session. Together about 1.2 commands a second
-per trainer, far under one per hundred batches even for 150 KB rows (the issue 9 budget); the cost is that a
+per trainer, far under one per hundred batches even for 150 KB rows; the cost is that a
 restored server holding every key is noticed within 10 s rather than 1 s. Nothing on the rows' path waits for it
 (the slot table is in shared memory), so only the control plane's view is stale meanwhile.
 """

@@ -6,7 +6,7 @@ that restarted empty, was flushed, or came back from an older snapshot lists not
 in the memory of the processes that map it. The trainers that mapped its slot table publish the metadata again
 when they rejoin (NOTE [ Rejoining ] in trainer/supervisor.py), but a writer may start before any of them has: one of a
 rank whose children were all still starting, or of a rank started while the others' trainers have not noticed
-yet. Finding no metadata, it used to allocate a second buffer, and the node's ranks then read from two.
+yet. Finding no metadata, it would allocate a second buffer, and the node's ranks would then read from two.
 
 So before a writer allocates a buffer, it asks the attach sockets in the runtime directory (this user's, on this
 machine) whether one of them serves a buffer of the same scope: the same Redis URL, queue and node id. Every

@@ -16,9 +16,8 @@ dropped, never delivered twice. The reader draws only for free ring slots, so a 
 holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight
 (NOTE [ Ring depth ] in shm/buffer.py).
 
-Measured with ``gigashuffle bench`` (1 writer, 1 reader, ``--seconds 3``, two rounds side by side; see
-docs/benchmarks.md): up to four batches per draw instead of one gave tokens 207-222k -> 262-274k rows/s and
-7.3-8.2 -> 6.3-6.8 CPU-us per row (the trainer too is woken once per draw), tiny 2.9-3.1M -> 3.6M rows/s.
+Up to four batches per draw: the lock, the trainer's wake-up and the announcement are paid once per draw, not
+per batch (today's figures and the measurement that chose four: docs/benchmarks.md).
 
 With fill_once=True the reader waits for a full buffer, then gathers this rank's share of the slots in slot
 order, once per pass the trainer asks for, drawing nothing.

@@ -57,9 +57,8 @@ def _streaming_copies(env: dict[str, str]) -> dict[str, str]:
     A writer copies each row into the node buffer, where a reader fetches it much later: caching the destination
     only costs a read of every line before it is overwritten. glibc picks streaming stores only above a threshold
     it derives from the cache size (megabytes; on this 2-core VM, which reports a 480 MB L3, never), so image-sized
-    rows were copied through the cache. Measured with `gigashuffle bench --workload image`: writer CPU per row
-    23.3 -> 16.4-17.0 us, readers and rows/s unchanged. x86-64 only (other machines ignore the setting); a
-    threshold the user set already wins.
+    rows were copied through the cache (its effect on writer CPU per row: docs/benchmarks.md). x86-64 only
+    (other machines ignore the setting); a threshold the user set already wins.
     """
     tunables = env.get("GLIBC_TUNABLES", "")
     if platform.machine() not in ("x86_64", "AMD64") or _NON_TEMPORAL_TUNABLE in tunables:
