@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from gigashuffle.loader import MultiprocessShuffledDataloader
     from gigashuffle.schema import INDEX_KEY
-    from gigashuffle.slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "MultiprocessShuffledDataloader": ".loader",
     "INDEX_KEY": ".schema",
-    "ShuffleBufferStats": ".slottable",
-    "LockUsage": ".slottable",
+    "ShuffleBufferStats": ".shm.slottable",
+    "LockUsage": ".shm.slottable",
 }
 
 

@@ -135,9 +135,9 @@ def main(argv: list[str]) -> int:
     multiprocessing.spawn.prepare(preparation)
     import torch  # noqa: F401
 
-    from gigashuffle.procs import (
-        pickling,  # noqa: F401  (child: the loops, the slot table and the control plane)
-    )
+    # Imported before any fork, so every child shares these pages: the loops, the slot table and the control plane
+    # (childmain), and what unpickles the dataset (pickling).
+    from gigashuffle.procs import childmain, pickling  # noqa: F401
 
     serve(trainer)
     return 0

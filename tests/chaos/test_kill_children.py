@@ -219,14 +219,14 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
         assert winner.publish_buffer(layout, first_row)
         assert winner.buffer is not None
         winner.buffer.write(torch.arange(rows), as_bytes, 0)
-        seed_call = loser.store.seed
+        seed_call = loser.store.publish_meta
 
         def seed_then_reader_attaches(*args: Any) -> bool:
             won = seed_call(*args)
             reader.attach_buffer()  # the metadata is published; the loser has not closed its server yet
             return won
 
-        loser.store.seed = seed_then_reader_attaches  # type: ignore[method-assign]
+        loser.store.publish_meta = seed_then_reader_attaches  # type: ignore[method-assign]
         started = time.monotonic()
         assert not loser.publish_buffer(layout, first_row)
         took = time.monotonic() - started
