@@ -67,6 +67,11 @@ def _read_line(fd: int, wait_s: float = _WAIT_S) -> str:
     return got.decode().strip()
 
 
+def _sleep(seconds: float) -> int:
+    time.sleep(seconds)
+    return 0
+
+
 def _free_within(table: SlotTable, wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while not lock_is_free(table):
@@ -199,7 +204,7 @@ def test_a_dead_holders_forked_helper_does_not_keep_its_lock() -> None:
 
     def holder() -> int:
         table.stats()  # opens this process's lock description
-        helper = _fork(lambda: (time.sleep(helper_s), 0)[1])
+        helper = _fork(lambda: _sleep(helper_s))
         table._lock.acquire()
         os.write(pipe_w, f"{helper}\n".encode())
         time.sleep(helper_s)
@@ -224,7 +229,7 @@ def test_a_dead_holders_forked_helper_does_not_keep_its_lock() -> None:
 
 # -- holder identity -------------------------------------------------------------------------------------------------
 def _sleeper() -> int:
-    return _fork(lambda: (time.sleep(60), 0)[1])
+    return _fork(lambda: _sleep(60.0))
 
 
 def test_repair_naming_a_reused_pid_leaves_the_live_process_its_slots() -> None:
