@@ -26,7 +26,7 @@ class _Fixture:
         self.chunk, self.bs = workload.chunk_rows, workload.bs
         self.table = SlotTable(workload.shuffle_size, seed=0)
         self.pid = os.getpid()
-        while self.table.snapshot().full < FILL * workload.shuffle_size:
+        while self.table.stats().full < FILL * workload.shuffle_size:
             self.table.commit_written(self.pid, self.table.acquire_empty(self.pid, self.chunk))
         self.batch: SlotIds = self.table.draw_full(self.pid, self.bs)[0]  # a reader always holds its last batch
 

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,38 @@ from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.shm.buffer import SharedMemory
-from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, table_nbytes
+from gigashuffle.shm.slottable import (
+    EMPTY,
+    FULL,
+    READING,
+    READING_EVICT,
+    WRITING,
+    ShuffleBufferStats,
+    SlotTable,
+    table_nbytes,
+)
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """Slot counts by state, counted from ``state`` itself under the node lock: the oracle that the header's counts
+    (``stats()``, journaled with every transition) are checked against."""
+
+    empty: int
+    writing: int
+    full: int
+    reading: int
+
+    def stats(self) -> ShuffleBufferStats:
+        return ShuffleBufferStats(self.full, self.empty, self.writing + self.reading)
+
+
+def snapshot(table: SlotTable, wait_s: float | None = None) -> TableSnapshot:
+    """Count every slot's state under the lock (a pass over the whole table: tests only)."""
+    with table._locked(wait_s):
+        state = table.state
+        empty, writing, full = (int(np.count_nonzero(state == s)) for s in (EMPTY, WRITING, FULL))
+    return TableSnapshot(empty, writing, full, table.slots - empty - writing - full)
 
 
 @contextlib.contextmanager

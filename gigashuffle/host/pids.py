@@ -15,6 +15,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``), the identity that a reused
+    pid does not share; 0 if there is no such process. A zombie still has one (as for ``pid_alive``): a process
+    that is dying may yet commit or release slots, and its pid is not reused before it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            text = stat_file.read()
+    except OSError:
+        return 0
+    return int(text[text.rindex(b")") + 2 :].split()[19])
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace: processes in other namespaces see other pids."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
 def flock_holder(fd: int) -> int | None:
     """The pid holding a ``flock`` on the file behind ``fd``, from ``/proc/locks``; None if no one (or unknown)."""
     st = os.fstat(fd)

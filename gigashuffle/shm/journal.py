@@ -12,7 +12,8 @@ table holds):
   incremented) or moves only slots still in the op's source state (``reading -> full`` skips a slot already
   moved).
 - A process that dies while holding slots but not the lock leaves them ``writing`` or ``reading`` under its pid:
-  ``repair()`` (run by the supervisor when it learns of a death, and about once a second on each trainer) returns
+  ``repair()`` (run by the supervisor when it learns of a death, and about once a second in each child, finding
+  the dead through the holder registry: NOTE [ Holder registry ] in shm/holders.py) returns
   a dead writer's slots to empty (rows may be torn), a dead reader's to full (never announced: see NOTE
   [ Reader cycle ]), or to empty when evict() marked them meanwhile. Repair is journaled like any other op.
 - Four counts live in the header: full slots (read by every draw, so that no draw passes over the whole table),
@@ -33,10 +34,11 @@ HEADER_BYTES = 128  # 16 int64 words, indexed by the H_* names below
 # Words: magic, slots, journal length (the commit point), op, pid; the version clock, rows written, rows read, the
 # journaled new value of the counter the op moves (rows written or read, or the clock), full slots and their
 # journaled new count, empty slots and theirs; the node lock's total hold time (ns) and number of holds, which are
-# statistics and not journaled (NOTE [ Node lock budget ] in shm/slottable.py).
+# statistics and not journaled (NOTE [ Node lock budget ] in shm/slottable.py); the creator's pid namespace (NOTE
+# [ Holder registry ] in shm/holders.py).
 H_MAGIC, H_SLOTS, H_LENGTH, H_OP, H_PID = 0, 1, 2, 3, 4
 H_CLOCK, H_WRITTEN, H_READ, H_JCOUNT, H_FULL, H_JFULL, H_EMPTY, H_JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
-H_HELD_NS, H_HOLDS = 13, 14
+H_HELD_NS, H_HOLDS, H_PIDNS = 13, 14, 15
 
 OP_ACQUIRE, OP_COMMIT, OP_DRAW, OP_RELEASE_KEEP, OP_RELEASE_EVICT, OP_EVICT, OP_REPAIR, OP_GIVE_BACK = range(1, 9)
 

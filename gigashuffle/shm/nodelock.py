@@ -2,33 +2,116 @@
 
 An fd received over SCM_RIGHTS (or inherited across ``fork``) shares the sender's open file description, and
 ``flock`` locks descriptions, not processes: holding it through such an fd would not exclude the sender. So each
-process re-opens the memfd through ``/proc/self/fd`` once (and again after a fork) and locks that. The kernel
-drops the lock when its holder dies, and there is no lock file to name, share or leak. Threads of one process
-share the description, so a thread lock comes first.
+process re-opens the memfd through ``/proc/self/fd`` on first use and locks that. The kernel drops the lock when
+its holder dies, and there is no lock file to name, share or leak. Threads of one process share the description,
+so a thread lock comes first.
+
+NOTE [ The node lock under signals and fork ]
+Every writer and reader of the node waits on this lock, so no path may leave it held in a process that lives on.
+- Synchronous exceptions: every hold is released in a ``finally``; where an exception leaves it unknown whether
+  the flock was taken, the path unlocks unconditionally (``LOCK_UN`` of a lock not held is a no-op) and then
+  releases the thread lock.
+- Asynchronous ones (a Python signal handler raising, e.g. KeyboardInterrupt on Ctrl-C): they can land at any
+  bytecode, including between a ``flock`` returning and the ``try`` that would release it, or inside the cleanup
+  itself, so no arrangement of ``finally`` blocks is enough. They are *deferred* instead: in the main thread (the
+  only one a Python handler runs in), while SIGINT has a Python handler, each lock attempt and each hold runs
+  with SIGINT's handler held back (``_Deferral``: a wrapper handler that records the signal while a hold is in
+  progress and calls the handler it wrapped once the hold is over, with nothing held). Ctrl-C still ends a wait
+  at once: a timed wait polls and delivers a held-back signal between attempts; an untimed one blocks in flock
+  with the handler let through, which flips back to deferring as it runs, so the exception (out of flock, or
+  just after it returned with the lock) meets a cleanup that unlocks unconditionally and cannot be interrupted.
+  Other threads, and processes where SIGINT is ignored (writers and readers: the zygote ignores it), take the
+  lock as before, at the cost of one ``signal.getsignal`` per acquire. Chosen over ``finally`` alone because that cannot
+  be made safe at every bytecode, and over ``pthread_sigmask`` because Python runs handlers in the main thread
+  whichever thread the kernel delivers to. A handler installed later for SIGINT is wrapped on the next acquire.
+- Fork: ``flock`` belongs to the open file description, which a fork shares. A child that kept the parent's
+  description would keep a lock its parent took through it alive after the parent died (and ``lock_holder()``
+  would name the dead parent). So an ``os.register_at_fork`` hook closes every lock description in the child at
+  once (the parent's lock is untouched: its own fd still refers to it) and gives the child fresh thread locks;
+  the child opens its own description on first use.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from gigashuffle.errors import NodeLockBusy
 from gigashuffle.host.pids import describe_process, flock_holder
 from gigashuffle.shm.buffer import SharedMemory
 
-# This process's pid, kept current across os.fork() by the hook below: os.getpid() is a system call, and every
-# acquisition compares it with the pid that opened the lock description (5% of a writer's time here).
+# This process's pid and main thread, kept current across os.fork() by the hook below: os.getpid() is a system
+# call, and every acquisition compares it with the pid that opened the lock description.
 _pid = [os.getpid()]
+_main_thread = [threading.main_thread().ident]
+_LOCKS: weakref.WeakSet[NodeLock] = weakref.WeakSet()
 
 
-def _note_fork() -> None:
+class _Deferral:
+    """Holds SIGINT's Python handler back while the main thread takes or holds a node lock (NOTE above)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.waiting = False  # the main thread is blocked in flock, in a deferred section
+        self.pending: list[tuple[int, FrameType | None]] = []
+        self.wrapped: Callable[[int, FrameType | None], Any] | None = None
+
+    def needed(self) -> bool:
+        """True in the main thread while SIGINT has a Python handler (wrapping it first if it is a new one)."""
+        if threading.get_ident() != _main_thread[0]:
+            return False
+        current = signal.getsignal(signal.SIGINT)
+        if current == self._handle:
+            return True
+        if not callable(current):  # ignored or default at the C level: no Python exception can come of it
+            return False
+        self.wrapped = current
+        signal.signal(signal.SIGINT, self._handle)
+        return True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.waiting:
+            # Let it end the wait (its exception comes out of flock, or just after flock took the lock, where the
+            # caller unlocks unconditionally); signals during that cleanup are held back again.
+            self.waiting = False
+        elif self.depth:
+            self.pending.append((signum, frame))
+            return
+        else:
+            self.pending.clear()  # superseded by this one
+        if self.wrapped is not None:
+            self.wrapped(signum, frame)
+
+    def leave(self) -> None:
+        """End one deferred section; at the outermost, run the handlers held back (this may raise)."""
+        self.depth -= 1
+        while self.depth == 0 and self.pending:
+            signum, frame = self.pending.pop(0)
+            if self.wrapped is not None:
+                self.wrapped(signum, frame)
+
+
+_deferral = _Deferral()
+
+
+def _after_fork_in_child() -> None:
     _pid[0] = os.getpid()
+    _main_thread[0] = threading.get_ident()
+    _deferral.depth = 0
+    _deferral.waiting = False
+    _deferral.pending.clear()
+    for lock in list(_LOCKS):
+        lock._forget_parent()
 
 
-os.register_at_fork(after_in_child=_note_fork)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class NodeLock:
@@ -39,27 +122,78 @@ class NodeLock:
         self._thread_lock = threading.Lock()
         self._fd = -1
         self._opened_by = -1  # the pid that opened self._fd
+        self._deferring = False  # whether the current hold runs with SIGINT held back
         self._finalizer = weakref.finalize(self, _close_fd, [self._fd])
+        _LOCKS.add(self)
 
     def acquire(self, wait_s: float | None = None) -> None:
         """Take the lock; with ``wait_s``, raise NodeLockBusy if it stays held that long."""
-        self._thread_lock.acquire()
+        deferring = _deferral.needed()
+        if wait_s is None and not deferring:  # no asynchronous exception can land in this thread
+            self._take(blocking=True)
+            return
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            if deferring:
+                _deferral.depth += 1
+            taken = False
+            try:
+                taken = self._take(blocking=wait_s is None, deferred=deferring)
+            finally:
+                if deferring and not taken:
+                    _deferral.leave()  # nothing is held here: a held-back Ctrl-C ends the wait now
+            if taken:
+                self._deferring = deferring
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                holder = self.holder()
+                raise NodeLockBusy(wait_s or 0.0, "an unknown process" if holder is None else describe_process(holder))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def _take(self, blocking: bool, deferred: bool = False) -> bool:
+        """One attempt; ``deferred``: in the main thread with SIGINT held back, where the thread lock is only
+        tried (a wait for it would hold Ctrl-C back) and a blocking flock waits with SIGINT let through."""
+        if not self._thread_lock.acquire(blocking and not deferred):
+            return False
         try:
             if self._opened_by != _pid[0]:
                 self._open_own_description()
-            if wait_s is None:
+            if not blocking:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            elif not deferred:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
             else:
-                self._flock_within(wait_s)
-        except BaseException:
+                _deferral.waiting = True  # a signal's exception ends the wait: see _Deferral._handle
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX)
+                finally:
+                    _deferral.waiting = False
+            return True
+        except BlockingIOError:
             self._thread_lock.release()
+            return False
+        except BaseException:
+            self._unlock_unknown()
             raise
 
+    def _unlock_unknown(self) -> None:
+        """Whether the flock was taken is unknown: unlock regardless (a no-op if not held), then the thread lock."""
+        try:
+            if self._fd >= 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
     def release(self) -> None:
+        deferring, self._deferring = self._deferring, False
         try:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             self._thread_lock.release()
+            if deferring:
+                _deferral.leave()  # may raise a held-back KeyboardInterrupt: the lock is free by now
 
     def holder(self) -> int | None:
         """The pid holding the lock now (from ``/proc/locks``), or None."""
@@ -70,30 +204,25 @@ class NodeLock:
         self._finalizer()
         self._opened_by = -1
 
+    def _forget_parent(self) -> None:
+        """In a forked child: drop the parent's lock description and any thread lock a parent thread held."""
+        self._thread_lock = threading.Lock()
+        self._deferring = False
+        inherited = self._finalizer.detach()
+        if inherited is not None:
+            _close_fd(inherited[2][0])
+        self._fd = -1
+        self._opened_by = -1
+
     def _open_own_description(self) -> None:
         inherited = self._finalizer.detach()
-        if inherited is not None:  # the parent's description: holding it could keep the parent's lock
+        if inherited is not None:  # a closed lock's, or one opened before a fork the hook did not see
             _close_fd(inherited[2][0])
         if self._memory.fd is None:
             raise ValueError("the slot table is closed")
         self._fd = os.open(f"/proc/self/fd/{self._memory.fd}", os.O_RDWR | os.O_CLOEXEC)
         self._opened_by = _pid[0]
         self._finalizer = weakref.finalize(self, _close_fd, [self._fd])
-
-    def _flock_within(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        pause = 0.001
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = self.holder()
-                    who = "an unknown process" if holder is None else describe_process(holder)
-                    raise NodeLockBusy(wait_s, who) from None
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
 
 
 def _close_fd(holder: list[int]) -> None:

@@ -11,8 +11,9 @@ of microseconds and never across a row copy; the node's transitions are serial, 
 node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
 Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
-[ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock, ``snapshot()`` counts
-``state`` itself.
+[ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock. Who holds slots is
+known by pid and start time (NOTE [ Holder registry ] in shm/holders.py), so repair finds the dead without a pass
+over the table and a reused pid is never taken for its dead predecessor.
 
 NOTE [ A stopped lock holder ]
 A dead holder never blocks the node; a stopped one (SIGSTOP, a debugger at a breakpoint, a frozen cgroup) does,
@@ -47,28 +48,26 @@ window. So whatever does not need the table's state is done outside the lock:
   while it lives, nobody else moves them out of writing or reading);
 - an acquire only moves the version clock (journaled); the writer stamps the new versions on its reserved slots
   after the release (``_stamp_versions``), so a commit just marks its slots full.
-On the 2-core VM, in alternating runs of ``python -m gigashuffle.tools.bench.runner --workload W --seconds 3
---no-baselines`` (docs/benchmarks.md, "Work moved out of the node lock" and "The holder check before the lock"),
-these took the lock's busy share with 1 writer + 1 reader from 41-43% to 23-26% on tiny rows (mean hold 93-111 ->
-45-62 us: a writer's commit and reserve of ~2,000 slots, a reader's release and draw of ~3,000) and from 20-22% to
-9.5-10% on token rows (50-60 -> 17-22 us); rows/s, CPU per row and the displacement ratio stayed within
-run-to-run noise. Image rows keep it about 5% busy. So the bound is about 4x the 1 + 1 rate for tiny rows and
-10x for token rows (it was 2.3x and 5x); more writers and readers add a little (tiny rows 19-26% -> 29-32% with
-2 + 2 or two ranks, which there ran 0.98-1.21x and 0.79-1.52x as fast as 1 + 1 on two cores).
+Today (docs/benchmarks.md, "Work moved out of the node lock", measured with ``python -m
+gigashuffle.tools.bench.runner --workload W --seconds 3 --no-baselines`` on the 2-core VM) the lock is 23-26% busy
+with 1 writer + 1 reader on tiny rows (mean hold 45-62 us), 9.5-10% on token rows (17-22 us) and about 5% on image
+rows: the bound is about 4x the 1 + 1 rate for tiny rows and 10x for token rows.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.host.pids import pid_alive
+from gigashuffle.errors import AttachError
+from gigashuffle.host.pids import pid_namespace, process_start
 from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.holders import REGISTRY_BYTES, REGISTRY_ROWS, HolderRegistry
 from gigashuffle.shm.journal import (
     H_CLOCK,
     H_EMPTY,
@@ -77,6 +76,7 @@ from gigashuffle.shm.journal import (
     H_HOLDS,
     H_LENGTH,
     H_MAGIC,
+    H_PIDNS,
     H_READ,
     H_SLOTS,
     H_WRITTEN,
@@ -96,12 +96,12 @@ from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, 
 
 __all__ = [
     "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",
-    "ShuffleBufferStats", "SlotIds", "SlotTable", "TableSnapshot", "Versions", "table_nbytes",
+    "ShuffleBufferStats", "SlotIds", "SlotTable", "Versions", "table_nbytes",
 ]  # fmt: skip
 
 Versions = npt.NDArray[np.int64]
 
-_MAGIC = 0x67735F736C6F7435  # "gs_slot5"
+_MAGIC = 0x67735F736C6F7436  # "gs_slot6"
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
@@ -123,21 +123,8 @@ class ShuffleBufferStats:
     in_flight: int
 
 
-@dataclass(frozen=True)
-class TableSnapshot:
-    """Slot counts by state, taken atomically under the node lock."""
-
-    empty: int
-    writing: int
-    full: int
-    reading: int
-
-    def stats(self) -> ShuffleBufferStats:
-        return ShuffleBufferStats(self.full, self.empty, self.writing + self.reading)
-
-
 def table_nbytes(slots: int) -> int:
-    return HEADER_BYTES + slots * (8 + 4 + 4 + 1) + 64
+    return HEADER_BYTES + REGISTRY_BYTES + slots * (8 + 4 + 4 + 1) + 64
 
 
 class SlotTable:
@@ -152,7 +139,8 @@ class SlotTable:
             raise ValueError("a slot table needs the memfd itself (to open its own lock), not a closed one")
         raw = self.memory.numpy_view(0, table_nbytes(slots))
         self._header = raw[:HEADER_BYTES].view(np.int64)
-        offset = HEADER_BYTES
+        self._holders = HolderRegistry(raw[HEADER_BYTES : HEADER_BYTES + REGISTRY_BYTES].view(np.int64).reshape(-1, 2))
+        offset = HEADER_BYTES + REGISTRY_BYTES
         self.version = raw[offset : offset + 8 * slots].view(np.int64)
         offset += 8 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
@@ -161,9 +149,15 @@ class SlotTable:
         self.state = raw[offset : offset + slots]
         self._journal = Journal(self._header, journal_ids, self.state, self.holder)
         if memory is None:
-            self._header[[H_MAGIC, H_SLOTS, H_EMPTY]] = (_MAGIC, slots, slots)
+            self._header[[H_MAGIC, H_SLOTS, H_EMPTY, H_PIDNS]] = (_MAGIC, slots, slots, pid_namespace())
         elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
+        elif self._header[H_PIDNS] != pid_namespace():
+            raise AttachError(
+                f"the node buffer was created in pid namespace {int(self._header[H_PIDNS])} and this process runs in "
+                f"{pid_namespace()} (another container?): its slots are held under pids this process cannot check; "
+                "run every process of a node in one pid namespace (e.g. docker --pid=host or a shared pod)"
+            )
         self._picker = SlotPicker(slots, seed)
         self._lock = NodeLock(self.memory)
         self._held_since_ns = 0  # when this process last took the lock (only one thread holds it: NodeLock)
@@ -187,8 +181,8 @@ class SlotTable:
         """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
         if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
         self._lock.acquire(wait_s)
-        self._held_since_ns = time.perf_counter_ns()
         try:
+            self._held_since_ns = time.perf_counter_ns()
             if self._header[H_LENGTH]:
                 self._journal.roll_forward()
         except BaseException:
@@ -196,11 +190,14 @@ class SlotTable:
             raise
 
     def _release(self) -> None:
-        # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else.
-        header = self._header
-        header[H_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
-        header[H_HOLDS] += 1
-        self._lock.release()
+        # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else; an exception
+        # here (a table closed by another thread) must not keep the lock.
+        try:
+            header = self._header
+            header[H_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
+            header[H_HOLDS] += 1
+        finally:
+            self._lock.release()
 
     def lock_usage(self) -> LockUsage:
         """The node lock's total hold time and number of holds, from the header without the lock."""
@@ -241,6 +238,8 @@ class SlotTable:
         """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
         self._acquire()
         try:
+            if pid not in self._holders.known:
+                self._register(pid)
             ids = self._picker.first_empty(self.state, int(self._header[H_EMPTY]), n)
             self._journal.commit(OP_ACQUIRE, pid, ids, -1, int(self._header[H_EMPTY]) - len(ids))
             clock = int(self._header[H_CLOCK])
@@ -269,6 +268,8 @@ class SlotTable:
         mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
+            if pid not in self._holders.known:
+                self._register(pid)
             self._commit_written(pid, mine)
             empty = int(self._header[H_EMPTY])
             room = int(self._header[H_FULL]) + empty - n >= min_full
@@ -317,6 +318,8 @@ class SlotTable:
         full = int(self._header[H_FULL])
         if n <= 0 or full < max(n, min_full):
             return NO_IDS
+        if pid not in self._holders.known:
+            self._register(pid)
         ids = self._picker.sample_full(self.state, n, full, candidates)
         self._journal.commit(OP_DRAW, pid, ids, full - n)
         return ids
@@ -379,18 +382,56 @@ class SlotTable:
         return len(chosen)
 
     # -- supervision -----------------------------------------------------------------------------------------
-    def repair(self, dead: Iterable[int] = (), wait_s: float | None = None) -> int:
-        """Return the slots of dead holders (``dead`` pids, or any holder pid no longer alive); returns how many."""
-        dead_set = set(dead)
+    def _register(self, pid: int) -> None:
+        """Enter ``pid`` in the holder registry before a transition gives it slots; under the lock (NOTE [ Holder
+        registry ] in shm/holders.py)."""
+        holders = self._holders
+        row, start = holders.lookup(pid)
+        if row >= 0 and start != 0 and start == process_start(pid):  # registered already (another mapping)
+            holders.known.add(pid)
+            return
+        if row >= 0:  # an earlier process with this pid is gone: what it held is not this process's
+            self._repair_locked([pid])
+        else:
+            row = holders.free_row()
+            if row < 0:
+                gone = holders.gone()
+                self._repair_locked(gone)
+                holders.forget(gone)
+                row = holders.free_row()
+            if row < 0:
+                raise RuntimeError(f"more than {REGISTRY_ROWS} live processes hold slots of one node buffer")
+        holders.claim(pid, row)
+
+    def repair(self, wait_s: float | None = None, scan: bool = False) -> int:
+        """Return the slots of holders that no longer exist; returns how many. A holder is its pid and start time
+        (NOTE [ Holder registry ] in shm/holders.py): a live process that reuses a dead one's pid keeps its slots.
+        Without a death this reads /proc once per registered holder and takes no lock, so the supervisor calls it
+        whenever the zygote reports a child reaped, and each child about once a second. ``scan``: the rare
+        fallback, also a pass over every slot for holders the registry does not name as existing."""
+        if not scan and not self._holders.gone():
+            return 0
         with self._locked(wait_s):
-            held = np.flatnonzero(self.state != EMPTY)
-            held = held[self.state[held] != FULL]
-            holders = self.holder[held]
-            gone = [p for p in np.unique(holders).tolist() if p in dead_set or not pid_alive(p)]
-            ids = held[np.isin(holders, gone)]
-            back = int(np.count_nonzero(self.state[ids] == READING))
-            header = self._header  # writing and reading-then-evict slots become empty, reading ones full
-            self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
+            gone = self._holders.gone()  # again under the lock: a row may have been repaired or taken over
+            if scan:
+                alive = self._holders.alive()
+                held = np.flatnonzero((self.state != EMPTY) & (self.state != FULL))
+                gone = sorted(set(gone) | {p for p in np.unique(self.holder[held]).tolist() if p not in alive})
+            repaired = self._repair_locked(gone)
+            self._holders.forget(gone)  # after the repair's commit: a kill in between leaves a row to repair again
+        return repaired
+
+    def _repair_locked(self, pids: list[int]) -> int:
+        """Return the slots held under ``pids`` (gone processes): one compare over the holder column."""
+        if not pids:
+            return 0
+        hit = self.holder == pids[0] if len(pids) == 1 else np.isin(self.holder, pids)
+        candidates = np.flatnonzero(hit)
+        now = self.state.take(candidates)
+        ids = candidates.compress((now != EMPTY) & (now != FULL))
+        back = int(np.count_nonzero(self.state.take(ids) == READING))
+        header = self._header  # writing and reading-then-evict slots become empty, reading ones full
+        self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
         return len(ids)
 
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
@@ -403,21 +444,12 @@ class SlotTable:
 
     def stats(self, wait_s: float | None = None) -> ShuffleBufferStats:
         """The slot counts at one moment: the header's counts read under the lock, which every transition keeps
-        exact (journaled with it), so this costs the same for any table size. ``snapshot()`` passes over every
-        slot's state instead: 3 x 64 MB for a buffer of 64M rows, with every writer and reader of the node
-        waiting."""
+        exact (journaled with it), so this costs the same for any table size."""
         self._acquire(wait_s)
         try:
             return self.counts()[2]  # under the lock no transition is half done: the counts agree
         finally:
             self._release()
-
-    def snapshot(self, wait_s: float | None = None) -> TableSnapshot:
-        # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
-        with self._locked(wait_s):
-            state = self.state
-            empty, writing, full = (int(np.count_nonzero(state == s)) for s in (EMPTY, WRITING, FULL))
-        return TableSnapshot(empty, writing, full, self.slots - empty - writing - full)
 
     def close(self) -> None:
         """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
@@ -428,3 +460,4 @@ class SlotTable:
         self.holder = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
         self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)
+        self._holders = HolderRegistry(np.empty((0, 2), dtype=np.int64))

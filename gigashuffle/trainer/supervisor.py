@@ -367,7 +367,7 @@ class Supervisor:
         try:
             table = self.table()
             if table is not None:
-                repaired = table.repair(dead=[child.pid], wait_s=_REPAIR_WAIT_S)
+                repaired = table.repair(wait_s=_REPAIR_WAIT_S)  # the zygote reaped it: it no longer exists
                 log.debug("repaired %d slots of %s", repaired, child.proc_id)
         except NodeLockBusy as exc:  # NOTE [ A stopped lock holder ] in shm/slottable.py
             log.warning("%s; the slots of %s are returned by the next housekeeping after it", exc, child.proc_id)
@@ -418,20 +418,18 @@ class Supervisor:
         if self.closed:
             return
         self.closed = True
-        live = [c for c in self.children if c.alive]
-        reaped = self._stop_children()
+        self._stop_children()
         for child in self.children:
             child.ring = None
         self.ready.clear()
         self.dropped.clear()
         table = self.node_table.mapped
         if table is not None:  # other ranks' children go on: give them what ours held
-            # Naming a pid tells repair its process runs no more: a child still dying could commit or release
-            # slots just repaired (its check of what it holds precedes the lock: NOTE [ Node lock budget ]). So
-            # children the zygote did not reap are left to the liveness check (theirs, or later housekeeping's).
-            dead = [c.pid for c in live if c.pid is not None] if reaped else []
+            # Repair takes the slots of holders that no longer exist: a child still dying could commit or release
+            # slots just repaired (its check of what it holds precedes the lock: NOTE [ Node lock budget ]), so
+            # children the zygote did not reap are left to later housekeeping (theirs, or the other ranks').
             try:
-                table.repair(dead=dead, wait_s=_REPAIR_WAIT_S)
+                table.repair(wait_s=_REPAIR_WAIT_S)
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self.node_table.close()

@@ -37,7 +37,7 @@ import pytest
 import redis
 from chaos_datasets import check_batch, writer_of
 from redis_servers import wait_until
-from slot_audit import audit_slots, node_table
+from slot_audit import audit_slots, node_table, snapshot
 from timing import startup_deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
@@ -320,7 +320,7 @@ class Chaos:
         if not size:
             return 0
         with node_table(url, keys, size) as table:
-            return 0 if table is None else table.snapshot().full
+            return 0 if table is None else snapshot(table).full
 
     def consumer(self, loader: MultiprocessShuffledDataloader) -> Consumer:
         return Consumer(loader)

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from slot_audit import snapshot
 
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
 from gigashuffle.shm.slottable import EMPTY, FULL, WRITING, SlotTable
@@ -47,7 +48,7 @@ def test_rows_left_pending_are_published_by_the_watcher_while_the_writer_is_else
         _wait_for_full(table, 8)  # the writer never calls publish(): the watcher must
         assert pending.rows == 0
         assert (table.state[ids] == FULL).all() and (table.version[ids] > 0).all()
-        assert table.snapshot().writing == 0
+        assert snapshot(table).writing == 0
 
 
 def test_publish_and_reserve_publishes_everything_pending_and_reserves_the_next_rows_in_one_call() -> None:
@@ -72,7 +73,7 @@ def test_publish_and_reserve_reserves_nothing_that_would_keep_the_buffer_from_mi
     with PendingRows(table, me, publish_within_s=60.0) as pending:
         pending.add(table.acquire_empty(me, 4))
         assert len(pending.publish_and_reserve(8, min_full=16)) == 0, "fill_once: no reservation ahead"
-        assert table.counts()[2].full == 4 and table.snapshot().writing == 0
+        assert table.counts()[2].full == 4 and snapshot(table).writing == 0
 
 
 def test_close_publishes_what_is_pending_and_stops_the_watcher_and_is_safe_twice() -> None:

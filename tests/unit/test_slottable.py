@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from slot_audit import lock_is_free
+from slot_audit import TableSnapshot, lock_is_free, snapshot
 
 from gigashuffle import NodeLockBusy
 from gigashuffle.procs.reader import draw_batches as reader_draw
@@ -27,7 +27,6 @@ from gigashuffle.shm.slottable import (
     LockUsage,
     ShuffleBufferStats,
     SlotTable,
-    TableSnapshot,
     table_nbytes,
 )
 
@@ -67,24 +66,24 @@ def _fill(table: SlotTable, pid: int, n: int) -> np.ndarray:
 
 def test_write_then_read_cycle() -> None:
     table = SlotTable(16, seed=1)
-    assert table.snapshot() == TableSnapshot(empty=16, writing=0, full=0, reading=0)
+    assert snapshot(table) == TableSnapshot(empty=16, writing=0, full=0, reading=0)
     ids = table.acquire_empty(100, 10)
     assert len(ids) == 10 and len(set(ids.tolist())) == 10
     assert (table.state[ids] == WRITING).all() and (table.holder[ids] == 100).all()
-    assert table.snapshot() == TableSnapshot(6, 10, 0, 0)
+    assert snapshot(table) == TableSnapshot(6, 10, 0, 0)
     assert len(table.acquire_empty(101, 10)) == 6  # only what is empty
     assert table.commit_written(100, ids) == 10
-    assert table.snapshot() == TableSnapshot(0, 6, 10, 0)
+    assert snapshot(table) == TableSnapshot(0, 6, 10, 0)
     assert len(table.draw_full(200, 4, min_full=11)[0]) == 0  # below the mixing threshold
     got, versions = table.draw_full(200, 4, min_full=10)
     assert len(got) == 4 and set(got.tolist()) <= set(ids.tolist())
     assert (table.version[got] == versions).all()
-    assert table.snapshot() == TableSnapshot(0, 6, 6, 4)
+    assert snapshot(table) == TableSnapshot(0, 6, 6, 4)
     assert table.stats() == ShuffleBufferStats(full=6, empty=0, in_flight=10)
     assert table.release_read(200, got[:2], evict=True) == 2
     assert table.release_read(200, got[2:], evict=False) == 2
-    assert table.snapshot() == TableSnapshot(2, 6, 8, 0)
-    assert table.stats() == table.snapshot().stats() == ShuffleBufferStats(full=8, empty=2, in_flight=6)
+    assert snapshot(table) == TableSnapshot(2, 6, 8, 0)
+    assert table.stats() == snapshot(table).stats() == ShuffleBufferStats(full=8, empty=2, in_flight=6)
     assert (table.state[got[:2]] == EMPTY).all() and (table.state[got[2:]] == FULL).all()
     assert table.counts()[:2] == (10, 4)  # committed by writers, released by readers
 
@@ -97,7 +96,7 @@ def test_only_the_holder_moves_its_slots() -> None:
     assert table.commit_written(1, ids) == 0  # already full: a retry commits nothing
     got, _ = table.draw_full(3, 4)
     assert table.release_read(4, got, evict=True) == 0
-    assert table.snapshot().reading == 4
+    assert snapshot(table).reading == 4
 
 
 def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back_what_it_did_not_write() -> None:
@@ -107,7 +106,7 @@ def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back
     assert committed == 4 and len(reserved) == 4 and not set(reserved.tolist()) & set(first.tolist())
     assert (table.state[first] == FULL).all() and (table.state[reserved] == WRITING).all()
     assert (table.holder[reserved] == 1).all()
-    assert table.snapshot() == TableSnapshot(empty=2, writing=4, full=4, reading=0)
+    assert snapshot(table) == TableSnapshot(empty=2, writing=4, full=4, reading=0)
     assert table.counts()[:2] == (4, 0)  # a reservation is not a write
     assert len(table.commit_and_acquire(1, reserved[:1], 5)[1]) == 0  # all or nothing: 2 are empty
     assert len(table.commit_and_acquire(1, reserved[1:2], 2)[1]) == 2
@@ -116,7 +115,7 @@ def test_a_writer_commits_and_reserves_its_next_slots_in_one_hold_and_gives_back
     assert table.give_back(2, reserved[2:]) == 0  # not pid 2's
     assert table.give_back(1, reserved[2:]) == 2
     assert (table.state[reserved[2:]] == EMPTY).all()
-    assert table.snapshot() == TableSnapshot(empty=2, writing=2, full=6, reading=0)
+    assert snapshot(table) == TableSnapshot(empty=2, writing=2, full=6, reading=0)
     assert table.counts()[:2] == (6, 0)
     assert table.give_back(1, reserved[2:]) == 0  # already empty: a retry gives back nothing
 
@@ -130,7 +129,7 @@ def test_a_reservation_never_keeps_the_buffer_below_the_readers_threshold() -> N
     assert held == 1 and len(fresh) == 0
     held, fresh = table.commit_and_acquire(1, writing[1:], 4, min_full=12)
     assert held == 1 and len(fresh) == 4 and (table.state[fresh] == WRITING).all()
-    assert table.snapshot() == TableSnapshot(empty=0, writing=4, full=12, reading=0)
+    assert snapshot(table) == TableSnapshot(empty=0, writing=4, full=12, reading=0)
 
 
 def test_versions_bump_on_every_write_and_stale_evicts_are_ignored() -> None:
@@ -144,9 +143,9 @@ def test_versions_bump_on_every_write_and_stale_evicts_are_ignored() -> None:
     assert (v2[order2] > v1[order1]).all()  # each slot was written again, so each has a newer version
     table.release_read(2, again, evict=False)
     assert table.evict(first, v1) == 0  # an INDEX_KEY entry of the earlier write: the newer rows stay
-    assert table.snapshot().full == 4
+    assert snapshot(table).full == 4
     assert table.evict(again[:2], v2[:2]) == 2
-    assert table.snapshot() == TableSnapshot(2, 0, 2, 0)
+    assert snapshot(table) == TableSnapshot(2, 0, 2, 0)
     assert table.evict(again[:2], v2[:2]) == 0  # already empty
     assert table.evict(again[2:]) == 2  # no versions: any write
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
@@ -233,7 +232,7 @@ def test_attach_maps_the_same_table() -> None:
     if table.fd is None:
         raise AssertionError("no fd")
     other = SlotTable(8, SharedMemory(table_nbytes(8), os.dup(table.fd)))
-    assert other.snapshot() == TableSnapshot(5, 0, 3, 0)
+    assert snapshot(other) == TableSnapshot(5, 0, 3, 0)
     assert (other.version[ids] == table.version[ids]).all()
     wrong = SharedMemory(table_nbytes(4), os.dup(table.fd))
     with pytest.raises(ValueError, match="not a slot table of 4 slots"):
@@ -277,9 +276,9 @@ def test_repair_returns_dead_holders_slots() -> None:
 
     pid = _fork(hold_and_die)
     assert os.WTERMSIG(_wait(pid)) == signal.SIGKILL
-    assert table.snapshot() == TableSnapshot(2, 2, 5, 3)
+    assert snapshot(table) == TableSnapshot(2, 2, 5, 3)
     assert table.repair() == 5  # pid_alive finds it gone
-    assert table.snapshot() == TableSnapshot(4, 0, 8, 0)
+    assert snapshot(table) == TableSnapshot(4, 0, 8, 0)
     assert table.repair() == 0
 
 
@@ -288,7 +287,7 @@ def test_repair_of_known_dead_pids_and_evicted_reads() -> None:
     _fill(table, 1, 6)
     got, versions = table.draw_full(424242, 4)
     table.evict(got[:1], versions[:1])
-    assert table.repair(dead=[424242]) == 4
+    assert table.repair() == 4
     assert table.state[got[0]] == EMPTY and (table.state[got[1:]] == FULL).all()
 
 
@@ -318,11 +317,11 @@ def test_kill_inside_a_transition_with_the_lock_held(applied: str) -> None:
     pid = _fork(die_in_transition)
     assert os.WTERMSIG(_wait(pid)) == signal.SIGKILL
     assert lock_is_free(table)  # the kernel let go of the dead holder's lock
-    snap = table.snapshot()  # the first lock holder rolls the journal forward
+    snap = snapshot(table)  # the first lock holder rolls the journal forward
     if applied == "none":
         assert snap == TableSnapshot(0, 0, 4, 6)  # nothing happened; the reader's slots await repair
         assert table.repair() == 6
-        assert table.snapshot() == TableSnapshot(0, 0, 10, 0)
+        assert snapshot(table) == TableSnapshot(0, 0, 10, 0)
     else:
         assert snap == TableSnapshot(6, 0, 4, 0)  # the whole release happened, exactly once
         assert table.repair() == 0
@@ -349,7 +348,7 @@ def test_kill_inside_a_commit_rolls_forward_keeping_the_versions_stamped_at_acqu
         return 1
 
     assert os.WTERMSIG(_wait(_fork(die_in_commit))) == signal.SIGKILL
-    assert table.snapshot() == TableSnapshot(0, 0, 8, 0)
+    assert snapshot(table) == TableSnapshot(0, 0, 8, 0)
     assert sorted(table.version.tolist()) == list(range(1, 9))
     assert table.counts()[:2] == (8, 0)  # counted once, though applied twice
     ids = table.acquire_empty(1, 0)
@@ -371,6 +370,7 @@ def test_kill_inside_an_acquire_moves_the_version_clock_once() -> None:
         me = os.getpid()
         ids = np.arange(4, dtype=np.intp)
         with table._locked():
+            table._register(me)  # as the acquire does, before its journal
             table._journal.ids[:4] = ids
             table._header[3:5] = (journal.OP_ACQUIRE, me)
             table._header[journal.H_JCOUNT] = 4  # the clock once versions 1..4 are allotted
@@ -383,7 +383,7 @@ def test_kill_inside_an_acquire_moves_the_version_clock_once() -> None:
 
     dead = _fork(die_in_acquire)
     assert os.WTERMSIG(_wait(dead)) == signal.SIGKILL
-    assert table.snapshot() == TableSnapshot(4, 4, 0, 0)  # the whole acquire happened: 4 slots writing
+    assert snapshot(table) == TableSnapshot(4, 4, 0, 0)  # the whole acquire happened: 4 slots writing
     assert (table.holder[:4] == dead).all()
     assert table.repair() == 4  # the dead writer never stamped or wrote them: back to empty
     _fill(table, 1, 8)
@@ -471,7 +471,7 @@ def test_many_processes_every_slot_accounted_and_no_row_read_twice() -> None:
     os.close(read_end)
     assert [os.WEXITSTATUS(s) for p, s in statuses if p != victim] == [0, 0, 0, 0]
     table.repair()
-    snap = table.snapshot()
+    snap = snapshot(table)
     assert snap.writing == 0 and snap.reading == 0 and snap.empty + snap.full == 64
     reads = np.frombuffer(b"".join(chunks), dtype=np.int64).reshape(-1, 2)
     pairs = {(int(i), int(v)) for i, v in reads}
@@ -522,7 +522,7 @@ def test_a_stopped_lock_holder_is_named_counts_never_wait_and_its_death_frees_th
         written, read, stats = table.counts()  # the header, read without the lock
         assert (written, read) == (40, 0)
         assert (stats.full, stats.empty, stats.in_flight) == (32, 24, 8)
-        for call in (lambda: table.snapshot(wait_s=0.2), lambda: table.repair(wait_s=0.2)):
+        for call in (lambda: snapshot(table, wait_s=0.2), lambda: table.repair(wait_s=0.2)):
             with pytest.raises(NodeLockBusy, match=rf"pid {pid} .*stopped by a signal: send it SIGCONT") as raised:
                 call()
             assert raised.value.waited_s == 0.2
@@ -530,6 +530,6 @@ def test_a_stopped_lock_holder_is_named_counts_never_wait_and_its_death_frees_th
         os.kill(pid, signal.SIGKILL)
         _wait(pid)
     assert table.lock_holder() is None  # the kernel dropped a dead holder's lock
-    assert table.snapshot(wait_s=5.0) == TableSnapshot(24, 0, 32, 8)
+    assert snapshot(table, wait_s=5.0) == TableSnapshot(24, 0, 32, 8)
     assert table.release_read(200, drawn, evict=True) == 8
     assert table.counts()[:2] == (40, 8)

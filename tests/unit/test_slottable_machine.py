@@ -20,21 +20,21 @@ the supervisor does, which must return exactly the slots of the dead holders.
 After a death the parent acts as the supervisor: it reaps the child, takes the lock once (as any next lock holder
 would, finishing a journaled op the dead one began), settles what the dead actor's last op did from what the
 table still holds under its pid (``_settle``: each op happened whole or not at all) and forks a replacement. It
-then repairs at once (naming the pid, or relying on ``pid_alive``), or leaves the dead pid's slots held while the
+then repairs at once (the registry finds the reaped pids gone), or leaves the dead pid's slots held while the
 others carry on, for a later repair by the supervisor or by an actor (possibly killed in it, too).
 
 The model follows each committed token: delivered (a reader released the batch with eviction, or an evict()
 mark, and announced it; never twice), dropped (its reader died after the evicting release took effect, before it
 could announce), evicted (by ``evict()``), or still in the table; and what each live or dead actor holds. After
-every step the whole table must equal the model: state, holder and version of every slot, the token in every
-full or read slot's row, the snapshot counts, an empty journal and a free lock; and every committed token must
-be in exactly one of those places.
+every step the whole table must equal the model: state, holder and version of every slot, the token in every full or
+read slot's row, the snapshot counts, the header's totals of rows written and read and its version clock, an empty
+journal and a free lock; and every committed token must be in exactly one of those places.
 """
 
 from __future__ import annotations
 
 import ctypes
-import linecache
+import inspect
 import mmap
 import os
 import select
@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
 from types import FrameType
@@ -55,10 +55,10 @@ import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from slot_audit import lock_is_free
+from slot_audit import TableSnapshot, lock_is_free, snapshot
 
-from gigashuffle.shm import journal, nodelock, picker, slottable
-from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable, TableSnapshot
+from gigashuffle.shm import holders, journal, nodelock, picker, slottable
+from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable
 
 SLOTS = 10  # small, so that writers run out of empty slots and draws meet the min_full threshold
 WRITER, READER = "writer", "reader"
@@ -85,10 +85,10 @@ PLAN = st.lists(
 KILL = st.tuples(st.integers(0, len(ROLES) - 1), KILL_AT)
 VICTIMS = st.lists(KILL, max_size=2, unique_by=lambda v: v[0])
 
-# What the supervisor does on learning of a death: repair naming the pid, repair relying on pid_alive, or nothing
+# What the supervisor does on learning of a death: repair (the registry finds the reaped pids gone), or nothing
 # yet. Half the deaths leave their slots held for a while, so that the others work around dead holders and evict()
 # meets a dead reader's batch.
-HOW = st.sampled_from(["pid", "alive", "later", "later"])
+HOW = st.sampled_from(["now", "later"])
 
 SETTINGS = settings(
     max_examples=50,
@@ -100,21 +100,30 @@ SETTINGS = settings(
 # The transitions run in shm/slottable.py and their journal in journal.py, the lock in shm/nodelock.py and the slot
 # searches in picker.py: kills land on lines of all four (an op runs about as many lines as when they were one
 # module, so KILL_AT keeps its meaning).
-_TRACED = frozenset({slottable.__file__, journal.__file__, nodelock.__file__, picker.__file__})
+_TRACED = frozenset({slottable.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__})
 # Every actor pid not yet reaped, whichever example forked it: the fixture kills what an aborted example left.
 _UNREAPED: set[int] = set()
 
 
-def _line_of(text: str) -> tuple[str, int]:
-    """The file and line of shm/nodelock.py containing ``text``; only used to tell whether a kill held the lock."""
-    for number, line in enumerate(linecache.getlines(nodelock.__file__), start=1):
+def _line_of(function: Callable[..., Any], text: str) -> tuple[str, int]:
+    """The file and line of ``function`` (in shm/nodelock.py) containing ``text``; only used to tell whether a kill
+    held the lock."""
+    lines, first = inspect.getsourcelines(function)
+    for number, line in enumerate(lines, start=first):
         if text in line:
             return nodelock.__file__, number
-    raise AssertionError(f"{text!r} is no longer in shm/nodelock.py: update the test's lock lines")
+    raise AssertionError(f"{text!r} is no longer in {function.__qualname__}: update the test's lock lines")
 
 
-_TAKE_LOCK = _line_of("fcntl.flock(self._fd, fcntl.LOCK_EX)")
-_DROP_LOCK = _line_of("fcntl.flock(self._fd, fcntl.LOCK_UN)")
+_TAKE_LOCK = frozenset(
+    {
+        _line_of(nodelock.NodeLock._take, "fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"),
+        _line_of(nodelock.NodeLock._take, "fcntl.flock(self._fd, fcntl.LOCK_EX)"),
+    }
+)
+_DROP_LOCK = _line_of(nodelock.NodeLock.release, "fcntl.flock(self._fd, fcntl.LOCK_UN)")
+# The journal's roll-forward (a kill in it is a kill while finishing another's op): its name, checked to exist.
+_ROLL_FORWARD = journal.Journal.roll_forward.__name__
 
 
 # -- the actors' side ---------------------------------------------------------------------------------------------
@@ -140,7 +149,7 @@ class _KillAtLine:
         if event != "line":
             return self._line
         # A line has finished once the next one starts, wherever that is (the unlock is followed by the caller's).
-        if self.previous == _TAKE_LOCK:
+        if self.previous in _TAKE_LOCK:
             self.lock_held = True
         elif self.previous == _DROP_LOCK:
             self.lock_held = False
@@ -149,7 +158,7 @@ class _KillAtLine:
             caller: FrameType | None = frame
             rolling = False
             while caller is not None and not rolling:
-                rolling, caller = caller.f_code.co_name == "_roll_forward", caller.f_back
+                rolling, caller = caller.f_code.co_name == _ROLL_FORWARD, caller.f_back
             self.conn.send(("dying", frame.f_code.co_name, frame.f_lineno, self.lock_held, rolling))
             os.kill(os.getpid(), signal.SIGKILL)
         self.seen += 1
@@ -296,6 +305,9 @@ class SlotTableMachine(RuleBasedStateMachine):
         self.top_version = 0  # the highest version committed so far
         self.old_versions: set[int] = set()  # every version committed before the current round
         self.new_versions: list[int] = []  # the versions the current round's commits gave out
+        # The header's totals: slots committed (rows written), slots released by readers (rows read), and the version
+        # clock (slots ever reserved by an acquire).
+        self.written = self.read = self.clock = 0
 
     def _spawn(self, role: str) -> Actor:
         pid, conn = _fork_actor(self.table, self.rows, [a.conn for a in self.actors])
@@ -326,8 +338,11 @@ class SlotTableMachine(RuleBasedStateMachine):
     def _batch_of(self) -> dict[int, Actor]:
         return {s: a for a in self._holders(READER) for s in a.held}
 
-    def _released(self, actor: Actor, consumed: bool, announced: bool) -> None:
-        """A reader's batch was given back: slots marked by evict() and, if ``consumed``, all of them left."""
+    def _released(self, actor: Actor, consumed: bool, announced: bool, counted: bool = True) -> None:
+        """A reader's batch was given back: slots marked by evict() and, if ``consumed``, all of them left.
+        ``counted``: by the reader's release (which counts its rows read), not by a repair."""
+        if counted:
+            self.read += len(actor.held)
         for slot in actor.held:
             token, _ = self.live[slot]
             if slot in actor.marked or consumed:
@@ -342,6 +357,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         actor.held, actor.marked = [], set()
 
     def _committed(self, slots: list[int], tokens: npt.NDArray[np.int64]) -> None:
+        self.written += len(slots)
         for slot, token in zip(slots, tokens.tolist(), strict=True):
             version = int(self.table.version[slot])
             assert int(self.rows[slot]) == token
@@ -354,7 +370,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         """Repair returned these dead actors' slots: a writer's to empty, a reader's to full unless evicted."""
         for corpse in corpses:
             if corpse.role == READER:
-                self._released(corpse, consumed=False, announced=False)
+                self._released(corpse, consumed=False, announced=False, counted=False)
             self.corpses.remove(corpse)
 
     def _expect_empty(self, slots: list[int]) -> None:
@@ -438,6 +454,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         elif committed[reply.actor]:
             self._expect_empty(holds)  # an acquire after the commit: it held nothing in between
             actor.held = holds
+            self.clock += len(holds)
 
     def _settle(self, reply: Reply, holds: list[int], old_corpses: list[Actor]) -> None:
         """What a dead actor's last op did, read from what the (rolled forward) table still holds under its pid:
@@ -458,6 +475,7 @@ class SlotTableMachine(RuleBasedStateMachine):
             assert set(mine) <= set(holds)
             self._expect_empty(sorted(set(holds) - set(mine)))
             actor.held = holds
+            self.clock += len(set(holds) - set(mine))
         elif reply.op == "draw":
             self._expect_full(holds)  # it held nothing before
             actor.held = holds
@@ -477,15 +495,14 @@ class SlotTableMachine(RuleBasedStateMachine):
                 self._repaired(old_corpses)
 
     def _dead_now(self, actors: list[Actor], how: str) -> None:
-        """The supervisor learnt of these deaths: repair now (naming the pids, or by pid_alive), or leave the
+        """The supervisor learnt of these deaths: repair now, or leave the
         slots held by the dead for a later repair while the others carry on."""
         self.corpses += actors
         if how != "later":
             holding = sum(len(c.held) for c in self.corpses)  # repair returns every dead holder's slots
-            # The corpses' pids were reaped within this example (seconds ago at most), far too recently for
-            # the kernel's cyclic pid allocator to have handed them out again, so pid_alive says they are gone.
-            pids = [a.pid for a in actors]
-            assert (self.table.repair(pids) if how == "pid" else self.table.repair()) == holding
+            # The corpses' pids were reaped within this example (seconds ago at most), far too recently for the
+            # kernel's cyclic pid allocator to have handed them out again (the registry's start times would tell).
+            assert self.table.repair() == holding
             self._repaired(list(self.corpses))
 
     # -- rules ---------------------------------------------------------------------------------------------------
@@ -549,15 +566,15 @@ class SlotTableMachine(RuleBasedStateMachine):
                 event("killed while rolling forward the op of an actor killed before it")
             if self.table._header[2]:
                 event("a kill left a journaled op for the next lock holder to roll forward")
-            self.table.snapshot()  # any op takes the lock, and the first to do so finishes what the dead began
+            snapshot(self.table)  # any op takes the lock, and the first to do so finishes what the dead began
             holds[reply.actor] = self._held_by(self.actors[reply.actor].pid)
         if len(dead) < len(victims):
             event("a victim's op finished before its kill line")
         solo = len(sent) == 1 and not dead
 
-        # Apply the replies in an order that explains any interleaving. A repair touches only the slots of
-        # actors dead before the round (a victim dying now is an unreaped zombie: alive to pid_alive); a release
-        # may empty or refill a slot that a writer then acquires or a reader draws; a commit may fill a slot a
+        # Apply the replies in an order that explains any interleaving. A repair touches only the slots of actors
+        # dead before the round (a victim dying now is an unreaped zombie, which the registry finds existing); a
+        # release may empty or refill a slot that a writer then acquires or a reader draws; a commit may fill a slot a
         # reader then draws. Acquires and draws touch disjoint states, and so do commits and releases.
         # A release_draw is a release and a draw under one hold of the lock, so it explains itself as a release
         # (taking place with the releases) followed by a draw (with the draws).
@@ -593,6 +610,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                 if solo:  # all or nothing; the commit moved slots from writing to full: as many are empty as before
                     assert len(ids) == (reply.args[2] if empty_before >= reply.args[2] else 0)
                 actor.held = ids
+                self.clock += len(ids)
             elif reply.op == "give_back":
                 assert reply.result == len(actor.held), "a live writer lost slots it had reserved"
                 actor.held = []
@@ -613,6 +631,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                 if solo:
                     assert len(ids) == min(reply.args, empty_before)
                 actor.held += ids
+                self.clock += len(ids)
             else:
                 ids, versions, tokens = (x.tolist() for x in reply.result)
                 n, min_full = reply.args
@@ -671,11 +690,11 @@ class SlotTableMachine(RuleBasedStateMachine):
         idle = [(False, 1, False, 0)] * len(ROLES)
         self.run_round(idle, index, [] if kill_at is None else [(index, kill_at)], how)
 
-    @rule(by_pid=st.booleans())
-    def supervisor_repair(self, by_pid: bool) -> None:
+    @rule()
+    def supervisor_repair(self) -> None:
         """The supervisor's repair (or a trainer's periodic one): returns exactly the dead holders' slots."""
         holding = sum(len(c.held) for c in self.corpses)
-        assert (self.table.repair([c.pid for c in self.corpses]) if by_pid else self.table.repair()) == holding
+        assert self.table.repair() == holding
         self._repaired(list(self.corpses))
 
     @rule(
@@ -741,12 +760,20 @@ class SlotTableMachine(RuleBasedStateMachine):
         state, holder, version = table.state.copy(), table.holder.copy(), table.version.copy()
         assert np.isin(state, (EMPTY, WRITING, FULL, READING, READING_EVICT)).all(), state
         counts = np.bincount(state, minlength=5)
-        snapshot = table.snapshot()
-        assert snapshot == TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
+        snap = snapshot(table)
+        assert snap == TableSnapshot(int(counts[EMPTY]), int(counts[WRITING]), int(counts[FULL]),
                                          int(counts[READING] + counts[READING_EVICT]))  # fmt: skip
-        assert snapshot.empty + snapshot.writing + snapshot.full + snapshot.reading == SLOTS
+        assert snap.empty + snap.writing + snap.full + snap.reading == SLOTS
         assert int(table._header[journal.H_FULL]) == counts[FULL], "the stored count of full slots drifted"
         assert int(table._header[journal.H_EMPTY]) == counts[EMPTY], "the stored count of empty slots drifted"
+        header = table._header
+        assert int(header[journal.H_WRITTEN]) == self.written, (
+            f"rows written {header[journal.H_WRITTEN]}, model {self.written}"
+        )
+        assert int(header[journal.H_READ]) == self.read, f"rows read {header[journal.H_READ]}, model {self.read}"
+        assert int(header[journal.H_CLOCK]) == self.clock, (
+            f"version clock {header[journal.H_CLOCK]}, model {self.clock}"
+        )
 
         expected = np.full(SLOTS, EMPTY, dtype=np.uint8)
         for slot, (token, written) in self.live.items():
