@@ -37,7 +37,7 @@ _SLOW_WARNING_S = 60.0
 # How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
 # holder ] in shm/slottable.py): far longer than any transition holds it.
 _LOCK_PATIENCE_S = 30.0
-# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
+# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
 _PENDING_PUMP_S = 0.002
 
 
@@ -64,7 +64,7 @@ class MultiprocessShuffledDataloader:
     Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
     its batch (and every view of one) is gone, so a batch stays valid while the caller holds it. A caller that
     holds more batches than the ring has room for gets copies instead, never a stall. With
-    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ Pinned rings ]).
+    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ GPU placement ]).
     """
 
     def __init__(self, dataset: Any, config: DataloaderConfig) -> None:

@@ -16,7 +16,8 @@ from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.trainer import pinning
 from gigashuffle.trainer.cudaops import Event
-from gigashuffle.trainer.pinning import CudaPlacement, Placement, ReleaseQueue, placement, resolve_device
+from gigashuffle.trainer.pinning import CudaPlacement, Placement, placement, resolve_device
+from gigashuffle.trainer.releases import ReleaseQueue
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 
