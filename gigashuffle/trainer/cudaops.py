@@ -118,7 +118,7 @@ def _libcudart() -> Any:
         return None
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only if already loaded
         except OSError:
             continue
     return None

@@ -42,11 +42,14 @@ class ReleaseQueue:
         return len(self._pending) + len(self._dropped)
 
     def _collect(self) -> None:
+        shared: list[Event | None] = []  # one event covers every batch dropped before it is recorded
         while self._dropped:
             ticket = self._dropped.popleft()
             if ticket.event is None:
                 # pin_memory alone: the caller's copies were enqueued before it dropped the views.
-                ticket.event = self._new_event()
+                if not shared:
+                    shared.append(self._new_event())
+                ticket.event = shared[0]
             self._pending.append(ticket)
 
     def poll(self, wait: bool = False) -> int:

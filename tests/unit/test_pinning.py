@@ -5,6 +5,7 @@ devices, streams and copies in flight (tests/fakecuda.py), and the errors a mach
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -289,6 +290,30 @@ def test_pin_only_covers_a_side_stream_copy_the_current_stream_waited_for(ring: 
     cuda.current_stream(1).advance()  # the compute stream passes its wait: the side stream's copies ran
     assert place.poll() == 1
     _check_rows([on_gpu], 30)
+    place.close()
+
+
+def test_pin_only_covers_a_copy_made_in_another_thread(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda, local_rank=0)
+    place.adopt(ring)
+    log: list[str] = []
+    _write(ring, 0, 60)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))
+    on_gpu: list[dict[str, torch.Tensor]] = []
+
+    def copier(group: dict[str, torch.Tensor]) -> None:  # the user's thread: its current device is 0
+        on_gpu.append({key: cuda.copy(t, 1, cuda.current_stream(1)) for key, t in group.items()})
+
+    thread = threading.Thread(target=copier, args=(batch[0],))
+    thread.start()
+    thread.join(timeout=60)
+    assert on_gpu, "the copying thread did not finish"
+    del batch
+    assert place.poll() == 0, "the copy made in the other thread has not run"
+    cuda.current_stream(1).advance()
+    assert place.poll() == 1
+    _check_rows([on_gpu[0]], 60)
     place.close()
 
 
