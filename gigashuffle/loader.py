@@ -36,7 +36,7 @@ _SLOW_WARNING_S = 60.0
 # How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
 # holder ] in shm/slottable.py): far longer than any transition holds it.
 _LOCK_PATIENCE_S = 30.0
-# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ Pinned rings ]).
+# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
 _PENDING_PUMP_S = 0.002
 
 
@@ -46,7 +46,7 @@ class MultiprocessShuffledDataloader:
     Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
     its batch (and every view of one) is gone, so a batch stays valid while the caller holds it. A caller that
     holds more batches than the ring has room for gets copies instead, never a stall. With
-    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ Pinned rings ]).
+    ``DataloaderConfig.device="cuda:N"`` batches are on that device instead (NOTE [ GPU placement ]).
     """
 
     def __init__(self, dataset: Any, config: DataloaderConfig) -> None:
@@ -72,6 +72,7 @@ class MultiprocessShuffledDataloader:
         except BaseException:
             link.close()
             raise
+        self._sup.on_ring = self._placement.adopt  # rings are registered with CUDA when they arrive, not on a batch
         self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
         self._pass_open = False
         # The version of the write each slot held when this trainer last received it: evict() names that write,
@@ -133,12 +134,13 @@ class MultiprocessShuffledDataloader:
     def _next_batch(self) -> Batch:
         sup = self._sup
         self._check_open()
-        # Return the ring slots of dropped batches first: all of them when the trainer is about to wait, else those
-        # of readers with half their ring to come back (NOTE [ Batched frees ]).
+        # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
+        # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
+        # [ Batched frees ]).
+        self._placement.poll()
         sup.flush_frees(everything=not sup.ready)
         waited_since = time.monotonic()
         next_warning = waited_since + _SLOW_WARNING_S
-        self._placement.poll()
         while not sup.ready:
             self._show_filling()
             self._pump()
@@ -201,6 +203,8 @@ class MultiprocessShuffledDataloader:
             # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
             child.held += 1
             return self._placement.deliver(ring, k, self._sup.release_later(child, k))
+        if child.held >= ring.depth - 1 and self._placement.pending:
+            self._await_copies(child, ring.depth - 1)
         if child.held >= ring.depth - 1:
             # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
             batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
@@ -208,6 +212,15 @@ class MultiprocessShuffledDataloader:
             return batch
         child.held += 1
         return self._placement.deliver(ring, k, self._sup.release_later(child, k))
+
+    def _await_copies(self, child: ChildProcess, limit: int) -> None:
+        """Pinned rings: wait for the oldest pending copies until ``child`` holds fewer than ``limit`` slots, rather
+        than hand out a pageable copy for slots the caller already dropped (NOTE [ GPU placement ])."""
+        placement = self._placement
+        while child.held >= limit and placement.pending:
+            if not placement.poll():
+                placement.poll(wait=True)
+            self._sup.flush_frees(everything=False)
 
     def _wait_for(self, probe: Any, what: str) -> Any:
         while (found := probe()) is None:

@@ -1,121 +1,59 @@
 """``pin_memory`` and ``device``: pinned reader rings, batches moved to the GPU, ring slots released after the copy.
 
-NOTE [ Pinned rings ]
-A reader's ring is mapped once in the trainer; with ``pin_memory=True`` or a CUDA ``device`` the trainer registers
-that mapping with CUDA (``cudaHostRegister``, as ``torch.cuda._pin_memory_utils`` does) the first time it delivers
-a batch from it, and unregisters it at close. Batches are still zero-copy views of the ring, now in page-locked
-memory, so a ``non_blocking`` host-to-device copy is a DMA straight out of the ring with no staging copy.
+NOTE [ GPU placement ]
+A reader's ring is mapped once in the trainer. With ``pin_memory=True`` or a CUDA ``device`` the trainer registers
+that mapping with CUDA (``cudaHostRegister``, portable) when the ring arrives (``RingReady``), not on a batch, and
+unregisters it at close. Every CUDA call runs under a device guard for the rank's own GPU, as torch's pin thread
+sets the device first: ``cudaHostRegister`` makes a context on the current device, and a rank that never called
+``set_device`` would otherwise put one (a few hundred MB) on GPU 0. ``device="cuda"`` is that GPU: ``cuda:0`` when
+the rank sees one GPU (``CUDA_VISIBLE_DEVICES`` per rank), else ``cuda:{local_rank}``, whatever device is current.
 
-That DMA runs after the call that enqueued it returns, so a ring slot must not go back to its reader (which would
-overwrite it) when the batch's CPU views die, but only once the copy that reads them has finished. Each delivered
-batch therefore gets a ticket: when its views die the ticket becomes pending, a CUDA event stands for "every copy
-that read it is done", and the slot is released once ``event.query()`` says so (``ReleaseQueue``).
+A host-to-device copy out of a pinned ring is a DMA that runs after the call that enqueued it returns, so a ring
+slot goes back to its reader (which overwrites it) only once the copies that read it are done: each delivered
+batch has a ticket, pending once its CPU views died, released when its CUDA event has completed
+(``ReleaseQueue``). An event completes when the stream it was recorded on passes it, so it must be recorded on the
+stream that runs the copies: one recorded on an idle stream completes at once and the slot is overwritten under
+the DMA (torn or repeated rows, no error).
 
-* With ``device="cuda:N"`` the loader makes the copies itself (``non_blocking=True``, on the device's current
-  stream) and records the event right after them; the caller gets device tensors and the CPU views die at once.
-* With ``pin_memory=True`` alone the caller gets the pinned CPU views and copies them itself. The event is recorded
-  on the current stream after the views died, which orders it after every copy the caller enqueued on that stream
-  before dropping the batch; a copy on another stream must be waited for by the caller before dropping the batch.
-
-Copies run on the current stream, so they queue behind the GPU work the trainer enqueued before asking for the
-batch; a side stream for prefetching is not done here. Rings of readers that died and were respawned stay
-registered until close (at most ``max_restarts`` of them per reader).
+* ``device="cuda:N"``: the loader makes the copy itself, on a copy stream of its own on that device: one copy of
+  the slot's field bytes (one contiguous block), device-side views per field, ``INDEX_KEY`` cloned on the CPU (it
+  goes back to ``evict``, which would otherwise sync). The event is recorded on the copy stream after the copy; the
+  device's current (compute) stream waits on the copy stream and ``record_stream`` tells the allocator that the
+  compute stream uses the batch. The copy overlaps the compute already queued; nothing waits on the host.
+* ``pin_memory=True`` alone: the caller gets the pinned CPU views and copies them itself, on streams the loader
+  cannot see. When the views die the loader records, at its next ``poll``, one event on the current stream of
+  every device that has a context in this process, so a copy enqueued before the drop on the current stream of
+  any device, ``set_device`` or not, is covered. A copy on another stream (a prefetcher's side stream) must be
+  ordered before the drop onto the current stream: ``torch.cuda.current_stream().wait_stream(side)`` (what a
+  prefetcher does before it hands the batch over) or ``side.synchronize()``.
+* No pageable fallback while slots only wait on events: a reader's slot whose event is pending is waited for
+  (the oldest copy) rather than handing out a CPU clone, which would make the next ``non_blocking`` copy pageable.
+* ``close()`` synchronizes every device with a context before it unregisters a ring, since a batch the caller
+  still holds may be copying. A failed register or unregister clears CUDA's error state (it would surface at the
+  user's next kernel launch), warns once with the error's name; a ring that failed to register stays pageable
+  (copies still correct, slower), one that failed to unregister keeps its mapping for the life of the process (a
+  new mapping at that address would fail as already registered).
+Rings of readers that died and were respawned stay registered until close (at most ``max_restarts`` per reader).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
 
 import torch
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.errors import GigashuffleError
+from gigashuffle.schema import INDEX_KEY
 from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.trainer.cudaops import CudaOps, Event
+from gigashuffle.trainer.releases import AllOf, ReleaseQueue
 
 log = logging.getLogger(__name__)
 
 Batch = list[dict[str, torch.Tensor]]
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, as torch's own pin_memory util registers
-
-
-class Event(Protocol):
-    """What ``ReleaseQueue`` needs of a ``torch.cuda.Event``."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
-class Ticket:
-    """One delivered ring slot: ``dropped`` is the finalizer of its CPU views (it may run in any thread)."""
-
-    __slots__ = ("_dropped", "event", "release")
-
-    def __init__(self, release: Callable[[], None], dropped: deque[Ticket]) -> None:
-        self.event: Event | None = None
-        self.release = release
-        self._dropped = dropped
-
-    def dropped(self) -> None:
-        self._dropped.append(self)  # deque.append is atomic: nothing else is safe in a finalizer of any thread
-
-
-class ReleaseQueue:
-    """Ring slots whose batches are gone, each released once the event that covers its copies has completed."""
-
-    def __init__(self, new_event: Callable[[], Event]) -> None:
-        self._new_event = new_event
-        self._dropped: deque[Ticket] = deque()
-        self._pending: deque[Ticket] = deque()
-
-    def ticket(self, release: Callable[[], None]) -> Ticket:
-        return Ticket(release, self._dropped)
-
-    @property
-    def pending(self) -> int:
-        """Slots whose batches are gone but not yet released (their copies may still run)."""
-        return len(self._pending) + len(self._dropped)
-
-    def _collect(self) -> None:
-        while self._dropped:
-            ticket = self._dropped.popleft()
-            if ticket.event is None:
-                # pin_memory without device: the caller's copies were enqueued before it dropped the views.
-                ticket.event = self._new_event()
-            self._pending.append(ticket)
-
-    def poll(self, wait: bool = False) -> int:
-        """Release every slot whose copies are done; with ``wait``, block for the oldest if none is. Returns how
-        many were released."""
-        self._collect()
-        released = 0
-        waiting: deque[Ticket] = deque()
-        for ticket in self._pending:
-            if ticket.event is not None and not ticket.event.query():
-                waiting.append(ticket)
-                continue
-            ticket.release()
-            released += 1
-        self._pending = waiting
-        if wait and not released and self._pending:
-            ticket = self._pending.popleft()
-            if ticket.event is not None:
-                ticket.event.synchronize()
-            ticket.release()
-            released = 1
-        return released
-
-    def drain(self) -> None:
-        """Wait for every pending copy and release its slot (at close: memory must not be unmapped under a DMA)."""
-        self._collect()
-        while self._pending:
-            ticket = self._pending.popleft()
-            if ticket.event is not None:
-                ticket.event.synchronize()
-            ticket.release()
+# Ranges whose unregister failed: their mappings must outlive this process's use of them (see the NOTE).
+_STILL_REGISTERED: list[torch.Tensor] = []
 
 
 class Placement:
@@ -127,6 +65,9 @@ class Placement:
     @property
     def pending(self) -> int:
         return 0
+
+    def adopt(self, ring: BatchRing) -> None:
+        """A reader's ring arrived (``RingReady``)."""
 
     def deliver(self, ring: BatchRing, k: int, release: Callable[[], None]) -> Batch:
         return ring.batch(k, release)
@@ -142,53 +83,98 @@ class Placement:
         """Release what is left; safe to call twice."""
 
 
-class TrackedPlacement(Placement):
-    """Pinned rings and event-gated releases; subclasses say how to pin, move and make an event."""
+class CudaPlacement(Placement):
+    """Rings registered with CUDA; with ``moves``, batches copied to GPU ``index`` (NOTE [ GPU placement ])."""
 
     tracks = True
 
-    def __init__(self, device: torch.device | None) -> None:
-        self.device = device
-        self.moves = device is not None
-        self.releases = ReleaseQueue(self.new_event)
-        # id(ring.memory) -> (ring.memory, undo): holding the memory object keeps its id from being reused by the
-        # ring of a respawned reader, which must be pinned too.
-        self._unpin: dict[int, tuple[object, Callable[[], None]]] = {}
+    def __init__(self, cuda: CudaOps, index: int, moves: bool) -> None:
+        self.cuda = cuda
+        self.index = index  # the rank's own GPU: every CUDA call below runs under a guard for it
+        self.moves = moves
+        self.releases = ReleaseQueue(self._pin_only_event)
+        # id(ring.memory) -> (ring.memory, the registered range or None if the register failed). Holding the memory
+        # keeps its id from being reused by the ring of a respawned reader, which must be registered too.
+        self._rings: dict[int, tuple[object, torch.Tensor | None]] = {}
+        self._copy_stream: object | None = None
+        self._warned: set[str] = set()
         self._closed = False
-
-    # What a machine provides: pinning a ring (returning how to undo it), moving a batch, and an event.
-    def pin(self, ring: BatchRing) -> Callable[[], None]:
-        raise NotImplementedError
-
-    def move(self, views: Batch) -> Batch:
-        raise NotImplementedError
-
-    def new_event(self) -> Event:
-        raise NotImplementedError
 
     @property
     def pending(self) -> int:
         return self.releases.pending
 
-    def deliver(self, ring: BatchRing, k: int, release: Callable[[], None]) -> Batch:
+    def adopt(self, ring: BatchRing) -> None:
         key = id(ring.memory)
-        if key not in self._unpin:
-            self._unpin[key] = (ring.memory, self.pin(ring))
+        if key in self._rings:
+            return
+        anchor = ring.memory.view(0, ring.nbytes)  # keeps the mapping alive for as long as it is registered
+        with self.cuda.guard(self.index):
+            code = self.cuda.host_register(anchor.data_ptr(), ring.nbytes)
+            if code != 0:
+                self._failed("register", code, f"a reader ring ({ring.nbytes} bytes) stays pageable: copies out of "
+                             "it are staged by CUDA (slower). Raise the locked-memory limit (ulimit -l) or lower "
+                             "ring_depth or bs")  # fmt: skip
+        self._rings[key] = (ring.memory, anchor if code == 0 else None)
+
+    def _failed(self, what: str, code: int, consequence: str) -> None:
+        """Clear the error a failed runtime call left set (the user's next launch would raise it), warn once."""
+        self.cuda.clear_error(self.index)
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("cudaHost%s failed on cuda:%d: %s; %s", what.capitalize(), self.index,
+                        self.cuda.error_name(code), consequence)  # fmt: skip
+
+    def deliver(self, ring: BatchRing, k: int, release: Callable[[], None]) -> Batch:
+        if id(ring.memory) not in self._rings:
+            raise AssertionError("a batch of a ring that never arrived through RingReady")
         ticket = self.releases.ticket(release)
-        views = ring.batch(k, ticket.dropped)
-        if self.device is None:
-            return views
-        try:
-            return self.move(views)
-        finally:
-            # Recorded after the copies were enqueued, before the views die and make the ticket pending.
-            ticket.event = self.new_event()
+        if not self.moves:
+            return ring.batch(k, ticket.dropped)
+        base = k * ring.slot_bytes
+        with self.cuda.guard(self.index):
+            copy_stream = self._stream()
+            compute = self.cuda.current_stream(self.index)
+            # The slot's fields are one block [0, index_offset): one DMA, then views of it on the device.
+            block = self.cuda.copy(ring.memory.view(base, ring.index_offset), self.index, copy_stream)
+            event = self.cuda.new_event()
+            self.cuda.record(event, copy_stream)
+            self.cuda.wait_stream(compute, copy_stream)
+            self.cuda.record_stream(block, compute)
+        ticket.event = event
+        index = ring.memory.view(base + ring.index_offset, ring.bs * 8).view(torch.int64).clone()
+        ticket.dropped()  # the caller never holds ring memory: pending now, released once the event completes
+        return _views(ring, block, index)
+
+    def _stream(self) -> object:
+        if self._copy_stream is None:
+            self._copy_stream = self.cuda.new_stream(self.index)
+        return self._copy_stream
+
+    def _pin_only_event(self) -> Event | None:
+        events = []
+        for i in self._contexts():
+            with self.cuda.guard(i):
+                event = self.cuda.new_event()
+                self.cuda.record(event, self.cuda.current_stream(i))
+                events.append(event)
+        return AllOf(events) if events else None
+
+    def _contexts(self) -> list[int]:
+        return [i for i in range(self.cuda.device_count()) if self.cuda.has_context(i)]
 
     def poll(self, wait: bool = False) -> int:
         return self.releases.poll(wait)
 
     def place(self, batch: Batch) -> Batch:
-        return batch if self.device is None else self.move(batch)
+        if not self.moves:
+            return batch
+        with self.cuda.guard(self.index):
+            stream = self.cuda.current_stream(self.index)
+            return [
+                {key: t if key == INDEX_KEY else self.cuda.copy(t, self.index, stream) for key, t in group.items()}
+                for group in batch
+            ]
 
     def close(self) -> None:
         if self._closed:
@@ -197,52 +183,38 @@ class TrackedPlacement(Placement):
         # Errors are logged, not raised: this runs in the loader's finalizer too, possibly at interpreter exit when
         # CUDA is already torn down, and the processes must still be stopped after it.
         try:
+            for i in self._contexts():  # a batch the caller still holds may be copying out of a ring
+                with self.cuda.guard(i):
+                    self.cuda.synchronize(i)
             self.releases.drain()
         except Exception as exc:
             log.warning("could not wait for the copies out of the reader rings: %s", exc)
-        for _memory, unpin in self._unpin.values():
-            try:
-                unpin()
-            except Exception as exc:
-                log.warning("could not unregister a reader ring from CUDA: %s", exc)
-        self._unpin.clear()
+        for _memory, anchor in self._rings.values():
+            if anchor is not None:
+                self._unregister(anchor)
+        self._rings.clear()
+
+    def _unregister(self, anchor: torch.Tensor) -> None:
+        try:
+            with self.cuda.guard(self.index):
+                code = self.cuda.host_unregister(anchor.data_ptr())
+                if code != 0:
+                    _STILL_REGISTERED.append(anchor)
+                    self._failed("unregister", code, "the ring's mapping is kept for the life of this process")
+        except Exception as exc:
+            _STILL_REGISTERED.append(anchor)
+            log.warning("could not unregister a reader ring from CUDA: %s", exc)
 
 
-class CudaPlacement(TrackedPlacement):
-    """Rings registered with ``cudaHostRegister``; batches copied to ``device`` with ``non_blocking=True``."""
-
-    def pin(self, ring: BatchRing) -> Callable[[], None]:
-        anchor = ring.memory.view(0, ring.nbytes)  # keeps the mapping alive for as long as it is registered
-        ptr = anchor.data_ptr()
-        code = int(_cudart().cudaHostRegister(ptr, ring.nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-        if code != 0:
-            raise GigashuffleError(
-                f"cudaHostRegister of a reader ring ({ring.nbytes} bytes) failed: {torch.cuda.CudaError(code)}. "
-                "The locked-memory limit (ulimit -l) or the container may forbid pinning; raise it, lower "
-                "ring_depth or bs, or set DataloaderConfig.pin_memory=False and device=None"
-            )
-
-        def unpin() -> None:
-            result = int(_cudart().cudaHostUnregister(anchor.data_ptr()))
-            if result != 0:
-                raise torch.cuda.CudaError(result)
-
-        return unpin
-
-    def move(self, views: Batch) -> Batch:
-        return [{key: t.to(self.device, non_blocking=True) for key, t in group.items()} for group in views]
-
-    def new_event(self) -> Event:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        # pin_memory alone: the caller copies on the current stream of whatever device is current when it drops the
-        # batch, which need not be the device that was current when the loader was built.
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-
-def _cudart() -> Any:
-    """The CUDA runtime bindings torch ships (``torch.cuda.cudart()``; it initialises CUDA in this process)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+def _views(ring: BatchRing, block: torch.Tensor, index: torch.Tensor) -> Batch:
+    """The batch of one slot's field bytes ``block`` (wherever it is), shaped like the dataset's chunks."""
+    bs = ring.bs
+    batch: Batch = [{} for _ in range(ring.layout.num_groups)]
+    for off, spec in zip(ring.field_offsets, ring.layout.fields, strict=True):
+        raw = block[off : off + bs * spec.row_bytes]
+        batch[spec.group][spec.key] = raw.view(spec.dtype).view(bs, *spec.shape)
+    batch[0][INDEX_KEY] = index
+    return batch
 
 
 def _cuda_missing(field: str, value: object, fix: str) -> ValueError:
@@ -254,36 +226,48 @@ def _cuda_missing(field: str, value: object, fix: str) -> ValueError:
     return ValueError(f"DataloaderConfig.{field}={value!r} needs CUDA, but {why} (torch {torch.__version__}); {fix}")
 
 
-def resolve_device(config: DataloaderConfig) -> torch.device | None:
-    """The device batches go to (None: they stay in the ring); ValueError if this machine lacks it."""
+def resolve_device(config: DataloaderConfig, cuda: CudaOps | None = None) -> torch.device | None:
+    """The device batches go to (None: they stay in the ring); ValueError if this machine lacks it. ``"cuda"`` is
+    the rank's own GPU (NOTE [ GPU placement ]), never the device current when the loader is built."""
     if config.device is None:
         return None
+    cuda = cuda or CudaOps()
     device = torch.device(config.device)
     if device.type == "cpu":
         return device
-    if not torch.cuda.is_available():
+    if not cuda.is_available():
         raise _cuda_missing(
             "device", config.device, "install a CUDA build of torch and run on a GPU machine, or use device='cpu'"
         )
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
+    count = cuda.device_count()
+    if device.index is None:
+        if count == 1 or config.local_rank < count:
+            return torch.device("cuda", 0 if count == 1 else config.local_rank)
         raise ValueError(
-            f"DataloaderConfig.device={config.device!r} is invalid: this machine has {torch.cuda.device_count()} "
-            "visible GPUs; use device=f'cuda:{LOCAL_RANK}' with a LOCAL_RANK below that"
+            f"DataloaderConfig.device='cuda' is ambiguous: local_rank={config.local_rank} sees {count} GPUs; give "
+            "each rank one GPU (CUDA_VISIBLE_DEVICES) or name it: device='cuda:N' with N below that"
         )
-    return torch.device("cuda", index)
+    if device.index >= count:
+        raise ValueError(
+            f"DataloaderConfig.device={config.device!r} is invalid: this process sees {count} GPUs (after "
+            "CUDA_VISIBLE_DEVICES); use device='cuda' (the rank's own GPU: cuda:{local_rank}, or cuda:0 when each "
+            "rank sees one) or an index below that"
+        )
+    return device
 
 
-def placement(config: DataloaderConfig) -> Placement:
+def placement(config: DataloaderConfig, cuda: CudaOps | None = None) -> Placement:
     """The placement ``config`` asks for, checked against this machine (ValueError naming the field if it lacks
-    CUDA). Called before the loader starts anything."""
-    device = resolve_device(config)
-    if config.pin_memory and not torch.cuda.is_available():
+    CUDA). Called before the loader starts anything; makes no CUDA context."""
+    cuda = cuda or CudaOps()
+    device = resolve_device(config, cuda)
+    if config.pin_memory and not cuda.is_available():
         raise _cuda_missing(
             "pin_memory", True, "set pin_memory=False (batches stay in shared CPU memory) or run on a GPU machine"
         )
     if device is not None and device.type == "cuda":
-        return CudaPlacement(device)
+        return CudaPlacement(cuda, device.index or 0, moves=True)
     if config.pin_memory:
-        return CudaPlacement(None)
+        # The guard's device for registering rings: the rank's own GPU, as for device="cuda".
+        return CudaPlacement(cuda, config.local_rank % max(1, cuda.device_count()), moves=False)
     return Placement()

@@ -121,6 +121,7 @@ class Supervisor:
         self.children: list[ChildProcess] = []
         self.ready: deque[tuple[ChildProcess, int]] = deque()
         self.dropped = DroppedBatches()
+        self.on_ring: Callable[[BatchRing], None] = _no_placement  # a reader's ring arrived (the loader pins it)
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
@@ -238,6 +239,7 @@ class Supervisor:
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
             child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
+            self.on_ring(child.ring)
             self._on_attached(child)
         elif isinstance(message, Attached):
             self._on_attached(child)
@@ -435,3 +437,7 @@ class Supervisor:
         self.node_table.close()
         self.link.close()
         log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())
+
+
+def _no_placement(ring: BatchRing) -> None:
+    """``on_ring`` until the loader sets its placement's."""

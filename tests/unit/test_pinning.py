@@ -1,17 +1,24 @@
-"""Pinned rings without a GPU: the release-after-the-copy logic with fake events, and the errors a machine without
-CUDA gives for ``pin_memory`` and a CUDA ``device`` (NOTE [ Pinned rings ] in gigashuffle/pinning.py)."""
+"""Pinned rings without a GPU: the release-after-the-copy logic, the placements against a fake CUDA that models
+devices, streams and copies in flight (tests/fakecuda.py), and the errors a machine without CUDA gives for
+``pin_memory`` and a CUDA ``device`` (NOTE [ GPU placement ] in gigashuffle/trainer/pinning.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from fakecuda import FakeCuda
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
-from gigashuffle.trainer.pinning import Event, Placement, ReleaseQueue, TrackedPlacement, placement, resolve_device
+from gigashuffle.trainer import pinning
+from gigashuffle.trainer.cudaops import Event
+from gigashuffle.trainer.pinning import CudaPlacement, Placement, placement, resolve_device
+from gigashuffle.trainer.releases import ReleaseQueue
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 
@@ -116,68 +123,281 @@ def test_drain_waits_for_every_copy_even_of_batches_dropped_just_now() -> None:
     assert events.log == ["record e0", "record e1", "sync e0", "release moved", "sync e1", "release pinned"]
 
 
-class FakeGpu(TrackedPlacement):
-    """A TrackedPlacement whose "device" is a CPU clone and whose events are fakes: the placement's own logic."""
+Batch = list[dict[str, torch.Tensor]]
+BS = 4
 
-    def __init__(self, moves: bool, events: Events) -> None:
-        self.events = events
-        super().__init__(torch.device("cpu") if moves else None)
-        self.pinned: list[int] = []
-        self.unpinned: list[object] = []
 
-    def pin(self, ring: BatchRing) -> Callable[[], None]:
-        self.pinned.append(ring.nbytes)
-        return lambda: self.unpinned.append(ring.nbytes)
-
-    def move(self, views: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        return [{key: t.clone() for key, t in group.items()} for group in views]
-
-    def new_event(self) -> Event:
-        return self.events()
+def _config(**fields: object) -> DataloaderConfig:
+    if "local_world_size" in fields:
+        fields.setdefault("global_world_size", fields["local_world_size"])
+    return DataloaderConfig(bs=BS, shuffle_size=64, queue_name="q", **fields)  # type: ignore[arg-type]
 
 
 def _ring() -> BatchRing:
-    chunk = [{"id": torch.arange(4, dtype=torch.int64)}]
-    return BatchRing(Layout.from_chunk(chunk), bs=4, depth=2)
+    """A ring like a reader's: an int64 id and a float row per row, in two fields (two regions of one block)."""
+    chunk = [{"id": torch.arange(BS, dtype=torch.int64), "x": torch.zeros(BS, 3)}]
+    return BatchRing(Layout.from_chunk(chunk), bs=BS, depth=2)
+
+
+def _write(ring: BatchRing, k: int, first: int) -> None:
+    """What a reader does: rows ``first .. first + BS - 1`` into slot ``k`` (id, x = id in every column)."""
+    fields, index = ring.regions(k)
+    ids = torch.arange(first, first + BS, dtype=torch.int64)
+    fields[0].view(torch.int64).view(BS).copy_(ids)
+    fields[1].view(torch.float32).view(BS, 3).copy_(ids.float().unsqueeze(1).expand(BS, 3))
+    index.copy_(ids)
+
+
+def _reader(ring: BatchRing, k: int, log: list[str]) -> Callable[[], None]:
+    """The release of slot ``k``: the reader overwrites the slot at once with rows it has not delivered (-100..)."""
+
+    def release() -> None:
+        log.append(f"release {k}")
+        _write(ring, k, -100)
+
+    return release
+
+
+def _check_rows(batch: Batch, first: int) -> None:
+    ids = torch.arange(first, first + BS, dtype=torch.int64)
+    assert torch.equal(batch[0]["id"], ids), f"torn or repeated rows: {batch[0]['id'].tolist()}"
+    assert torch.equal(batch[0]["x"], ids.float().unsqueeze(1).expand(BS, 3)), "torn rows in x"
+
+
+@pytest.fixture
+def ring() -> Iterator[BatchRing]:
+    ring = _ring()
+    yield ring
+    ring.close()
+
+
+def _device_placement(cuda: FakeCuda, local_rank: int = 1) -> CudaPlacement:
+    place = placement(_config(device="cuda", local_rank=local_rank, local_world_size=2), cuda)
+    assert isinstance(place, CudaPlacement) and place.moves
+    return place
+
+
+def test_device_mode_releases_a_slot_only_after_its_copy_ran(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    log: list[str] = []
+    batches = []
+    for k in range(2):
+        _write(ring, k, 10 * k)
+        batches.append(place.deliver(ring, k, _reader(ring, k, log)))
+    assert place.pending == 2, "the caller never holds ring memory: both slots wait only on their copies"
+    for _ in range(3):
+        assert place.poll() == 0, "a copy is queued on the copy stream, nothing ran it"
+    assert log == []
+    # The compute stream waits on the copy stream: running the step (what the GPU does) runs the copies.
+    cuda.current_stream(1).advance()
+    assert place.poll() == 2 and sorted(log) == ["release 0", "release 1"]
+    cuda.advance_all()
+    for k, batch in enumerate(batches):
+        _check_rows(batch, 10 * k)
+    place.close()
+
+
+def test_device_mode_makes_one_copy_per_slot_and_keeps_the_index_on_the_cpu(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    _write(ring, 0, 7)
+    batch = place.deliver(ring, 0, lambda: None)
+    assert cuda.copies == 1, "one DMA of the slot's field block, not one per field"
+    assert all(cuda.on_device(batch[0][key]) for key in ("id", "x")), "fields are views of the device block"
+    assert not cuda.on_device(batch[0][INDEX_KEY]), "the index stays on the CPU (evict() would sync)"
+    assert torch.equal(batch[0][INDEX_KEY], torch.arange(7, 7 + BS)), "the index is read at delivery"
+    compute = cuda.current_stream(1)
+    assert [stream for _ptr, stream in cuda.consumers] == [compute], "the allocator learns the compute stream"
+    assert cuda.host_syncs == 0, "nothing on the hot path waits for the GPU"
+    cuda.advance_all()
+    _check_rows(batch, 7)
+    place.close()
+
+
+def test_device_cuda_is_the_ranks_own_gpu_whatever_device_is_current() -> None:
+    cuda = FakeCuda(devices=4)
+    with cuda.guard(0):  # built before set_device: the current device is 0
+        assert resolve_device(_config(device="cuda", local_rank=2, local_world_size=4), cuda) == torch.device("cuda", 2)
+    # CUDA_VISIBLE_DEVICES gives each rank one GPU: it is cuda:0 in every rank.
+    one = FakeCuda(devices=1)
+    assert resolve_device(_config(device="cuda", local_rank=3, local_world_size=4), one) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"device='cuda:3'.*sees 1 GPUs.*device='cuda' \(the rank's own GPU"):
+        resolve_device(_config(device="cuda:3", local_rank=3, local_world_size=4), one)
+    two = FakeCuda(devices=2)
+    with pytest.raises(ValueError, match=r"device='cuda' is ambiguous: local_rank=3 sees 2 GPUs"):
+        resolve_device(_config(device="cuda", local_rank=3, local_world_size=4), two)
 
 
 @pytest.mark.parametrize("moves", [True, False], ids=["device", "pin_memory only"])
-def test_a_placement_pins_each_ring_once_and_releases_after_the_copy(moves: bool) -> None:
-    events = Events(queries=2)
-    gpu = FakeGpu(moves, events)
-    ring = _ring()
-    released: list[int] = []
-    ring.regions(0)[1].copy_(torch.arange(4))
-    batch = gpu.deliver(ring, 0, lambda: released.append(0))
-    assert torch.equal(batch[0][INDEX_KEY], torch.arange(4))
-    second = gpu.deliver(ring, 1, lambda: released.append(1))
-    assert gpu.pinned == [ring.nbytes], "a ring is registered once"
-    if moves:
-        # The views died inside deliver(): both tickets are pending, each behind the event recorded after its copy.
-        assert gpu.pending == 2 and len(events.made) == 2
-    else:
-        assert gpu.pending == 0 and not events.made, "the caller still holds both batches"
-        del batch, second
-        assert gpu.pending == 2
-    assert gpu.poll() == 0 and released == []
-    assert gpu.poll() == 2 and sorted(released) == [0, 1]
-    gpu.close()
-    gpu.close()
-    assert gpu.unpinned == [ring.nbytes]
-    ring.close()
+def test_every_cuda_call_runs_on_the_ranks_gpu(ring: BatchRing, moves: bool) -> None:
+    cuda = FakeCuda()
+    fields = {"device": "cuda"} if moves else {"pin_memory": True}
+    place = placement(_config(local_rank=1, local_world_size=2, **fields), cuda)
+    place.adopt(ring)  # cudaHostRegister makes a context on the current device: 0 without the guard
+    _write(ring, 0, 0)
+    batch = place.deliver(ring, 0, lambda: None)
+    if not moves:
+        with cuda.guard(1):  # the user copies to its GPU
+            cuda.copy(batch[0]["id"], 1, cuda.current_stream(1))
+    del batch
+    place.poll()
+    place.close()
+    assert set(cuda.contexts) == {1}, f"contexts on {sorted(cuda.contexts)}: a CUDA call ran without a device guard"
 
 
-def test_close_waits_for_pending_copies_before_unpinning() -> None:
-    events = Events(queries=None)
-    gpu = FakeGpu(True, events)
-    ring = _ring()
-    order: list[object] = []
-    gpu.deliver(ring, 0, lambda: order.append("released"))
-    gpu.unpinned = order  # unpin appends the ring size to the same log
-    gpu.close()
-    assert events.log[-1] == "sync e0"
-    assert order == ["released", ring.nbytes]
-    ring.close()
+def _pin_only(cuda: FakeCuda, local_rank: int = 1) -> CudaPlacement:
+    place = placement(_config(pin_memory=True, local_rank=local_rank, local_world_size=2), cuda)
+    assert isinstance(place, CudaPlacement) and not place.moves
+    return place
+
+
+def test_pin_only_covers_a_copy_to_a_gpu_that_is_not_the_current_device(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda, local_rank=0)
+    place.adopt(ring)  # the rank's GPU is 0 and so is the current device...
+    log: list[str] = []
+    _write(ring, 0, 20)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))
+    assert batch[0]["id"].data_ptr() in range(min(cuda.registered), min(cuda.registered) + ring.nbytes)
+    # ...but the user, who never called set_device, copies to cuda:1 on that device's current stream.
+    on_gpu = {key: cuda.copy(t, 1, cuda.current_stream(1)) for key, t in batch[0].items()}
+    del batch
+    assert place.poll() == 0 and place.pending == 1, "the copy to cuda:1 has not run"
+    cuda.current_stream(0).advance()
+    assert place.poll() == 0, "an event on cuda:0's stream does not cover a copy on cuda:1"
+    cuda.current_stream(1).advance()
+    assert place.poll() == 1 and log == ["release 0"]
+    _check_rows([on_gpu], 20)
+    place.close()
+
+
+def test_pin_only_covers_a_side_stream_copy_the_current_stream_waited_for(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    log: list[str] = []
+    _write(ring, 0, 30)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))
+    with cuda.guard(1):  # a prefetcher: copies on its side stream, the compute stream waits on it
+        side = cuda.new_stream(1)
+        on_gpu = {key: cuda.copy(t, 1, side) for key, t in batch[0].items()}
+        cuda.wait_stream(cuda.current_stream(1), side)
+    del batch
+    assert place.poll() == 0
+    cuda.current_stream(1).advance()  # the compute stream passes its wait: the side stream's copies ran
+    assert place.poll() == 1
+    _check_rows([on_gpu], 30)
+    place.close()
+
+
+def test_pin_only_covers_a_copy_made_in_another_thread(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda, local_rank=0)
+    place.adopt(ring)
+    log: list[str] = []
+    _write(ring, 0, 60)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))
+    on_gpu: list[dict[str, torch.Tensor]] = []
+
+    def copier(group: dict[str, torch.Tensor]) -> None:  # the user's thread: its current device is 0
+        on_gpu.append({key: cuda.copy(t, 1, cuda.current_stream(1)) for key, t in group.items()})
+
+    thread = threading.Thread(target=copier, args=(batch[0],))
+    thread.start()
+    thread.join(timeout=60)
+    assert on_gpu, "the copying thread did not finish"
+    del batch
+    assert place.poll() == 0, "the copy made in the other thread has not run"
+    cuda.current_stream(1).advance()
+    assert place.poll() == 1
+    _check_rows([on_gpu[0]], 60)
+    place.close()
+
+
+def test_pin_only_with_no_context_yet_releases_at_once(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    cuda.contexts.clear()  # as if the registration had made none: no copy can have been enqueued
+    batch = place.deliver(ring, 0, lambda: None)
+    del batch
+    assert place.poll() == 1
+
+
+def test_close_waits_for_copies_of_batches_the_caller_still_holds(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    _write(ring, 0, 40)
+    batch = place.deliver(ring, 0, lambda: None)
+    on_gpu = {key: cuda.copy(t, 1, cuda.current_stream(1)) for key, t in batch[0].items()}
+    place.close()  # the caller still holds the batch, its copy is queued
+    assert cuda.unregistered_in_flight == 0, "a ring was unregistered under a copy in flight"
+    assert cuda.registered == {}
+    _check_rows([on_gpu], 40)
+    del batch
+
+
+def test_a_failed_register_clears_the_error_warns_once_and_the_ring_stays_usable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    cuda.fail_register = 2
+    rings = [_ring(), _ring()]
+    with caplog.at_level(logging.WARNING, logger=pinning.__name__):
+        for ring in rings:
+            place.adopt(ring)
+    warnings = [r.getMessage() for r in caplog.records if "cudaHostRegister" in r.getMessage()]
+    assert len(warnings) == 1 and "cudaErrorMemoryAllocation" in warnings[0] and "cuda:1" in warnings[0]
+    cuda.launch_kernel()  # the user's next kernel does not raise the register's error as its own
+    _write(rings[0], 0, 50)
+    batch = place.deliver(rings[0], 0, lambda: None)  # pageable: staged by CUDA, still correct
+    cuda.advance_all()
+    _check_rows(batch, 50)
+    place.close()
+    assert cuda.registered == {}
+    for ring in rings:
+        ring.close()
+
+
+def test_a_failed_unregister_keeps_the_mapping(ring: BatchRing, caplog: pytest.LogCaptureFixture) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    cuda.fail_unregister = 1
+    kept = len(pinning._STILL_REGISTERED)
+    with caplog.at_level(logging.WARNING, logger=pinning.__name__):
+        place.close()
+    assert any("cudaErrorInvalidValue" in r.getMessage() for r in caplog.records)
+    assert len(pinning._STILL_REGISTERED) == kept + 1, "the registered range must stay mapped"
+    assert pinning._STILL_REGISTERED[-1].data_ptr() in cuda.registered
+    cuda.launch_kernel()
+    pinning._STILL_REGISTERED.pop()
+
+
+def test_a_ring_is_registered_when_it_arrives_once_and_each_respawned_ring_too() -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    old = _ring()
+    with pytest.raises(AssertionError, match="never arrived through RingReady"):
+        place.deliver(old, 0, lambda: None)
+    place.adopt(old)
+    place.adopt(old)
+    assert len(cuda.registered) == 1, "a ring is registered once"
+    place.deliver(old, 0, lambda: None)
+    old.close()
+    del old  # the reader died: its ring object goes; the placement still holds the memory until close
+    new = _ring()
+    place.adopt(new)
+    assert len(cuda.registered) == 2, "each ring is registered"
+    cuda.advance_all()
+    place.close()
+    assert cuda.registered == {}
+    new.close()
 
 
 def test_no_pinning_no_device_hands_out_the_rings_views() -> None:
@@ -208,18 +428,3 @@ def test_without_cuda_pinning_or_a_cuda_device_is_refused_before_anything_starts
     # The loader checks first: no Redis is needed (none is given here) and no process is started.
     with pytest.raises(ValueError, match=named):
         MultiprocessShuffledDataloader([], cfg)
-
-
-def test_the_ring_of_a_respawned_reader_is_pinned_too() -> None:
-    events = Events(queries=0)
-    gpu = FakeGpu(True, events)
-    old = _ring()
-    gpu.deliver(old, 0, lambda: None)
-    old.close()
-    del old  # the reader died: its ring object goes; the placement still holds the memory until close
-    new = _ring()
-    gpu.deliver(new, 0, lambda: None)
-    assert gpu.pinned == [new.nbytes, new.nbytes], "each ring is registered"
-    gpu.close()
-    assert len(gpu.unpinned) == 2
-    new.close()
