@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 PREFIX = "gigashuffle"
 META_PATTERN = f"{PREFIX}:{{*}}:meta"
+# ``gen`` is set as the first trainer of a node joins, before the buffer (and ``meta``) exists.
+GEN_PATTERN = f"{PREFIX}:{{*}}:gen"
 CONF_PATTERN = f"{PREFIX}:{{*}}:conf"
 
 
@@ -61,6 +63,11 @@ class QueueKeys:
     def rank(self, global_rank: int) -> str:
         """A trainer's claim on its rank: a token with a TTL, refreshed by a heartbeat."""
         return self._key(f"rank:{global_rank}")
+
+    @property
+    def rank_pattern(self) -> str:
+        """A SCAN pattern for every rank claim of the node."""
+        return self._key("rank:*")
 
     def fixed(self) -> list[str]:
         """The keys every session has, whatever processes joined."""
