@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.typing import EncodableT, FieldT
 
 from gigashuffle.control import lua
 from gigashuffle.control.client import Client, address, run_script, translate_errors
@@ -185,7 +186,7 @@ class ControlPlane:
         record (with the lock's reading and its time) also carries this process's previous full record as
         ``prev_*``, in the same command: a reader gets two records of one clock, made a heartbeat apart."""
         fields = ("written", "read", "full", "empty", "in_flight", "lock_held_ns", "lock_at_ns")
-        mapping: dict[str, int] = dict(zip(fields, counts, strict=False))
+        mapping: dict[FieldT, EncodableT] = dict(zip(fields, counts, strict=False))
         if len(counts) >= len(fields):
             last = self._last_counts
             if last is not None:
