@@ -296,6 +296,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def demo_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigashuffle demo",
+        description="Run a real loader (2 writers, 2 readers) on the embedded Redis over synthetic image-like rows "
+        "for a few seconds, then report its start-up, throughput and shuffle quality. Progress goes to stderr.",
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="how long to read batches (default 5)")
+    parser.add_argument("--queue", default=None, help="queue name (default: demo-<unix time>)")
+    return parser
+
+
+def _bench(argv: list[str]) -> int:
+    """``gigashuffle bench``: its options and a missing extra are handled before torch is imported."""
+    from gigashuffle.tools.bench.options import build_parser as bench_parser
+    from gigashuffle.tools.bench.options import missing_extra
+
+    bench_parser().parse_args(argv)  # --help and bad options answer at once
+    if (missing := missing_extra()) is not None:
+        print(missing, file=sys.stderr)
+        return 1
+    from gigashuffle.tools.bench.runner import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -303,13 +328,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "demo":
-        from gigashuffle.tools.demo import main as demo_main
+        demo_args = demo_parser().parse_args(rest)  # --help answers before torch is imported
+        from gigashuffle.tools.demo import run
 
-        return demo_main(rest)
+        run(demo_args.seconds, demo_args.queue or f"demo-{int(time.time())}")
+        return 0
     if args.command == "bench":
-        from gigashuffle.tools.bench.runner import main as bench_main
-
-        return bench_main(rest)
+        return _bench(rest)
     if rest:
         args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

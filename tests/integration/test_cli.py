@@ -44,7 +44,9 @@ def imported_modules(importtime_stderr: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["--version"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["stats", "--help"], ["--version"], ["demo", "--help"], ["bench", "--help"]]
+)
 def test_help_imports_nothing_heavy(args: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "gigashuffle.tools.cli", *args],
@@ -76,6 +78,22 @@ def test_subcommands_answer_their_own_help() -> None:
     done = cli("demo", "--help")
     assert done.returncode == 0, done.stderr
     assert "usage: gigashuffle demo" in done.stdout and "--seconds" in done.stdout
+    assert "``" not in done.stdout  # no reST markup from a docstring
+    bench = cli("bench", "--help")
+    assert bench.returncode == 0, bench.stderr
+    assert "usage: gigashuffle bench" in bench.stdout and "pip install 'gigashuffle[bench]'" in bench.stdout
+    assert "what the columns mean:" in bench.stdout and "slot age" in bench.stdout
+
+
+def test_bench_without_its_extra_says_what_to_install_in_one_line() -> None:
+    """After the README's install (no psutil) the bench died after 16 s with a ModuleNotFoundError traceback."""
+    hide_psutil = (
+        "import sys; sys.modules['psutil'] = None; from gigashuffle.tools.cli import main; "
+        "sys.exit(main(['bench', '--workload', 'tiny', '--seconds', '1']))"
+    )
+    done = subprocess.run([sys.executable, "-c", hide_psutil], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == ["gigashuffle bench needs psutil: pip install 'gigashuffle[bench]'"]
 
 
 def test_bench_json_through_the_command() -> None:
@@ -89,7 +107,7 @@ def test_bench_json_through_the_command() -> None:
 def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     """--ranks 2: rank 1 is a process of its own on the embedded server rank 0 started, and both deliver rows."""
     done = cli(
-        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--ranks", "2", "--json",
+        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--ranks", "2", "--writers", "1", "--json",
         "--log-level", "WARNING", timeout_s=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -416,6 +434,8 @@ def test_demo_runs_a_real_loader_and_reports_what_it_did() -> None:
     """The README's first command: a real loader on the embedded server, and a report whose figures add up."""
     done = cli("demo", "--seconds", "2")
     assert done.returncode == 0, done.stderr[-3000:]
+    # stderr is a pipe here: plain progress lines, no bar redrawn with carriage returns.
+    assert "\r" not in done.stderr and "filling shuffle buffer: " in done.stderr, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
     batches, samples = (int(word.strip("(")) for word in lines["read"].split()[1:4:2])
     assert batches > 0 and samples == 64 * batches, lines["read"]
