@@ -23,7 +23,8 @@ what the columns mean:
   shuffle quality, measured over the same first rows of each implementation, against ONE ideal: a uniform buffer
   of shuffle_size slots read as many times (its own row); every figure is in rows of the combined write stream
   displacement       mean |read position - write position|; ratio = displacement / the ideal's (1.0: as mixed
-                     as the ideal; lower: nearer FIFO order)
+                     as the ideal; lower: nearer FIFO order). It cannot see where rows came from: two DataLoader
+                     workers of shuffle_size/2 rows each score about the ideal though a batch draws on one of them
   buffer fill        mean share of the loader's slots that were full (a writer-bound run stays near min_mixing)
   slot age           mean rows written between a row's write and its read (the newest row seen stands for "rows
                      written so far", for the ideal too; the ideal's true mean is shuffle_size)
