@@ -2,6 +2,9 @@
 
     torchrun --standalone --nproc-per-node=2 examples/hf_datasets.py --batches 100
 
+Needs the ``datasets`` package besides gigashuffle (``pip install datasets``); without it the script says so
+in one line and exits with code 2.
+
 The data is built here (``Dataset.from_dict``) so that the recipe runs offline; with real data use
 ``load_dataset(..., streaming=True)`` or ``Dataset.to_iterable_dataset(num_shards=...)`` the same way. What matters:
 
@@ -20,12 +23,25 @@ It prints one JSON line: the ids this rank read, the worker ids they came from, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-
-from datasets import Dataset
+import sys
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.sources import Chunked
+
+
+def _require(module: str) -> None:
+    """Stop with one line naming the package to install, before an ImportError traceback (or, under torchrun, a
+    ChildFailedError per rank with the traceback further up) would."""
+    if importlib.util.find_spec(module) is None:
+        print(f"{sys.argv[0]} needs the {module!r} package: pip install {module}", file=sys.stderr)
+        sys.exit(2)
+
+
+_require("datasets")
+
+from datasets import Dataset  # noqa: E402
 
 
 def build_source(rows: int, shards: int) -> object:

@@ -3,6 +3,9 @@
     python examples/webdataset_shards.py --write-shards /tmp/wds --shards 8      # make some local shards once
     torchrun --standalone --nproc-per-node=2 examples/webdataset_shards.py --urls '/tmp/wds/shard-{000000..000007}.tar'
 
+Needs the ``webdataset`` package besides gigashuffle (``pip install webdataset``); without it the script says so
+in one line and exits with code 2.
+
 What matters:
 
 * ``nodesplitter=None``: writers see a job-wide ``get_worker_info()`` (every writer of every rank) and webdataset's
@@ -21,15 +24,29 @@ It prints one JSON line: the ids this rank read, how many writers it has, and th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import webdataset as wds
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.sources import Chunked
+
+
+def _require(module: str) -> None:
+    """Stop with one line naming the package to install, before an ImportError traceback (or, under torchrun, a
+    ChildFailedError per rank with the traceback further up) would."""
+    if importlib.util.find_spec(module) is None:
+        print(f"{sys.argv[0]} needs the {module!r} package: pip install {module}", file=sys.stderr)
+        sys.exit(2)
+
+
+_require("webdataset")
+
+import webdataset as wds  # noqa: E402
 
 
 def write_shards(directory: Path, shards: int, rows: int) -> str:

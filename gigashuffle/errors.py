@@ -21,6 +21,9 @@ class SchemaError(GigashuffleError, ValueError):
 class WorkerDied(GigashuffleError):
     """A writer or reader process ended while the loader needed it.
 
+    A ``RuntimeError`` (through :class:`GigashuffleError`) whose message says "child ... died", as the reference
+    loader's tests expect of a dead child, and then who died and how.
+
     ``traceback_text`` is the child's own formatted traceback when it died from an exception (children report
     it before exiting); it is empty when the child was killed by a signal.
     """
@@ -55,7 +58,7 @@ class WorkerDied(GigashuffleError):
                 how = f"killed by signal {self.signal}"
         else:
             how = f"exited with code {self.exitcode}"
-        text = f"gigashuffle {self.role} {self.index} (pid {self.pid}) of queue {self.queue!r} {how}"
+        text = f"gigashuffle {self.role} {self.index} (child pid {self.pid}) of queue {self.queue!r} died: {how}"
         if self.traceback_text:
             last = self.traceback_text.strip().splitlines()[-1]
             text += f": {last}\n\nTraceback from the {self.role} process:\n{self.traceback_text.rstrip()}"

@@ -300,8 +300,11 @@ class MultiprocessShuffledDataloader:
             raise TypeError(f"{type(self.dataset).__name__} has no load_state_dict(); implement it to resume")
         datasetstate.restore(self._sup, self.config, state)
 
-    def child_pids(self) -> dict[str, list[int]]:
-        """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``)."""
+    def child_pids(self, timeout_s: float = 120.0) -> dict[str, list[int]]:
+        """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``). The zygote forks
+        the children after the constructor returns and reports their pids through the channel: this waits up to
+        ``timeout_s`` for every live child's pid, so the lists are complete right after construction too."""
+        self.wait_started(timeout_s)
         sup = self._sup
         found: dict[str, list[int]] = {"zygote": [sup.zygote.pid], "writer": [], "reader": []}
         for child in sup.children:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 PREFIX = "gigashuffle"
 META_PATTERN = f"{PREFIX}:{{*}}:meta"
+# ``gen`` is set as the first trainer of a node joins, before the buffer (and ``meta``) exists.
+GEN_PATTERN = f"{PREFIX}:{{*}}:gen"
 CONF_PATTERN = f"{PREFIX}:{{*}}:conf"
 # The set of tokens of the trainers using a server's embedded instance: the one key that belongs to no queue.
 EMBEDDED_USERS = f"{PREFIX}:embedded:users"

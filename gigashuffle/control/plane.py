@@ -61,6 +61,9 @@ class JoinResult:
     new_session: bool
 
 
+# What a rate needs from a counts record: the rows, the lock's total hold time and the time of the reading.
+_RATE_FIELDS = ("written", "read", "lock_held_ns", "lock_at_ns")
+
 MIN_REDIS = (6, 2)  # SET ... XX GET, the heartbeat's one command (NOTE [ Heartbeat ] in control/session.py)
 
 
@@ -93,6 +96,9 @@ class ControlPlane:
         self._restore_claim = client.register_script(lua.RESTORE_CLAIM)
         self._release = client.register_script(lua.RELEASE_RANK)
         self._drop_stale = client.register_script(lua.DROP_STALE_CLAIM)
+        self._last_counts: NodeCounts | tuple[int, ...] | None = (
+            None  # the last full record_counts(), sent again as prev_*
+        )
 
     def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         return run_script(script, keys, args, self._where)
@@ -187,10 +193,26 @@ class ControlPlane:
         """Give ``rank``'s claim back to ``holder`` after ``extend_claim`` overwrote it, unless it changed since."""
         return bool(self._run(self._restore_claim, [self.keys.rank(rank)], [token, holder, lease_ms]))
 
+    def counter_records(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+        """The last two records of ``(written, read, lock_held_ns, lock_at_ns)`` that one trainer made (the newest
+        first; zeros where there is none yet): ``gigashuffle stats`` takes rates between them."""
+        fields = [*_RATE_FIELDS, *(f"prev_{name}" for name in _RATE_FIELDS)]
+        with translate_errors(self._where):
+            values = [int(v or 0) for v in self.client.hmget(self.keys.counters, fields)]
+        return (values[0], values[1], values[2], values[3]), (values[4], values[5], values[6], values[7])
+
     def record_counts(self, counts: NodeCounts | tuple[int, ...]) -> None:
         """Record the node's counts for ``gigashuffle stats``: absolute values, which every rank may write. A
-        shorter tuple records its leading fields and leaves the others as they are."""
-        mapping: dict[FieldT, EncodableT] = dict(zip(NodeCounts._fields, counts, strict=False))
+        shorter tuple records its leading fields and leaves the others as they are. A full record (with the lock's
+        reading and its time) also carries this process's previous full record as ``prev_*``, in the same
+        command: a reader gets two records of one clock, made a heartbeat apart."""
+        fields = NodeCounts._fields
+        mapping: dict[FieldT, EncodableT] = dict(zip(fields, counts, strict=False))
+        if len(counts) >= len(fields):
+            last = self._last_counts
+            if last is not None:
+                mapping.update({f"prev_{name}": last[fields.index(name)] for name in _RATE_FIELDS})
+            self._last_counts = counts
         with translate_errors(self._where):
             self.client.hset(self.keys.counters, mapping=mapping)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gigashuffle._version import __version__
-from gigashuffle.tools.stats import Sample, sample, with_rates
+from gigashuffle.tools.stats import Sample, needs_second_record, sample, short_generation, with_rates
 
 if TYPE_CHECKING:
     from gigashuffle.control.client import Client
@@ -26,6 +26,7 @@ COLUMNS = ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "proc
            "read_per_s", "lock_busy_pct", "generation"]  # fmt: skip
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: what top does between refreshes
 DEFAULT_WATCH_S = 2.0
+DEFAULT_INTERVAL_S = 5.0  # 2.5 heartbeats (HEARTBEAT_S in control/session.py): a second record comes by then
 
 
 class CliError(Exception):
@@ -137,6 +138,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any) -> str:
         return "-" if value is None else str(value)
 
+    rows = [{**r, "generation": short_generation(r["generation"])} for r in rows]
+
     widths = {c: max([len(c), *(len(cell(r[c])) for r in rows)]) for c in COLUMNS}
     lines = ["  ".join(c.ljust(widths[c]) for c in COLUMNS).rstrip()]
     lines += ["  ".join(cell(r[c]).ljust(widths[c]) for c in COLUMNS).rstrip() for r in rows]
@@ -173,7 +176,12 @@ def stats_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print JSON (under --watch: one line per refresh)")
     parser.add_argument(
-        "--interval", type=float, default=1.0, help="seconds the first rows/s are measured over (0: no rates)"
+        "--interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="SECONDS",
+        help="rates are taken between two of a node's counter records, made every 2 s; in a job's first seconds "
+        f"the first frame waits up to SECONDS for a second one (default {DEFAULT_INTERVAL_S:g}; 0: never waits)",
     )
     parser.add_argument(
         "--watch",
@@ -207,6 +215,17 @@ def _end_on_sigint() -> threading.Event:
     return interrupted
 
 
+def _first_samples(servers: _Servers, wait_s: float) -> list[Sample]:
+    """The first frame's samples, once every queue has two counter records or after ``wait_s`` (NOTE [ Stats rates ]
+    in tools/stats.py): the first frame shows rates too, in the first seconds of a job as well."""
+    samples = servers.sample()
+    deadline = time.monotonic() + wait_s
+    while needs_second_record(samples) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        samples = servers.sample()
+    return samples
+
+
 def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if args.watch is not None and not args.watch > 0:
         raise CliError(f"--watch {args.watch:g} is invalid: use a positive number of seconds")
@@ -224,16 +243,13 @@ def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 f"{_no_embedded_server()}; pass --redis URL for another server, or set GIGASHUFFLE_REDIS_URL"
             )
         previous: list[Sample] = []
-        if args.interval > 0:
-            previous = servers.sample()
-            if previous:
-                time.sleep(args.interval)
+        first = _first_samples(servers, args.interval)
         count = args.count if watching else 1
         frame = 0
         while True:
             if frame:
                 servers.refresh()
-            current = servers.sample()
+            current = servers.sample() if frame else first
             _show(with_rates(current, previous), servers.urls, args, out, frame)
             frame += 1
             if (count is not None and frame >= count) or interrupted.is_set():
@@ -274,6 +290,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def demo_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigashuffle demo",
+        description="Run a real loader (2 writers, 2 readers) on the embedded Redis over synthetic image-like rows "
+        "for a few seconds, then report its start-up, throughput and shuffle quality. Progress goes to stderr.",
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="how long to read batches (default 5)")
+    parser.add_argument("--queue", default=None, help="queue name (default: demo-<unix time>)")
+    return parser
+
+
+def _bench(argv: list[str]) -> int:
+    """``gigashuffle bench``: its options and a missing extra are handled before torch is imported."""
+    from gigashuffle.tools.bench.options import build_parser as bench_parser
+    from gigashuffle.tools.bench.options import missing_extra
+
+    bench_parser().parse_args(argv)  # --help and bad options answer at once
+    if (missing := missing_extra()) is not None:
+        print(missing, file=sys.stderr)
+        return 1
+    from gigashuffle.tools.bench.runner import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -281,13 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "demo":
-        from gigashuffle.tools.demo import main as demo_main
+        demo_args = demo_parser().parse_args(rest)  # --help answers before torch is imported
+        from gigashuffle.tools.demo import run
 
-        return demo_main(rest)
+        run(demo_args.seconds, demo_args.queue or f"demo-{int(time.time())}")
+        return 0
     if args.command == "bench":
-        from gigashuffle.tools.bench.runner import main as bench_main
-
-        return bench_main(rest)
+        return _bench(rest)
     if rest:
         args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

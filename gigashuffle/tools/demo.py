@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -43,17 +42,25 @@ class SyntheticImages(IterableDataset[list[dict[str, torch.Tensor]]]):
             yield [{"image": pixels, "label": ids % 1000, "id": ids, "written_ns": stamp}]
 
 
-def _progress(loader: MultiprocessShuffledDataloader, target: int, out: Any) -> None:
-    """Draw a bar on stderr until the buffer holds ``target`` full slots."""
+def _progress(loader: MultiprocessShuffledDataloader, target: int, out: TextIO) -> None:
+    """Show the buffer filling until it holds ``target`` full slots: a bar redrawn in place (``\\r``) in a
+    terminal; elsewhere (a pipe, a log file) a plain line now and then, which such a reader shows as written."""
     width = 40
+    tty = out.isatty()
+    last_line = -1.0
     while True:
         full = loader.stats().full
         done = min(full, target)
-        bar = "#" * (width * done // target)
-        out.write(f"\rfilling shuffle buffer [{bar:<{width}}] {done}/{target} slots")
+        if tty:
+            bar = "#" * (width * done // target)
+            out.write(f"\rfilling shuffle buffer [{bar:<{width}}] {done}/{target} slots")
+        elif full >= target or time.monotonic() - last_line >= 1.0:
+            out.write(f"filling shuffle buffer: {done}/{target} slots\n")
+            last_line = time.monotonic()
         out.flush()
         if full >= target:
-            out.write("\n")
+            if tty:
+                out.write("\n")
             return
         time.sleep(0.1)
 
@@ -105,9 +112,8 @@ def run(seconds: float, queue: str, out: Any = sys.stdout) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gigashuffle demo", description=__doc__)
-    parser.add_argument("--seconds", type=float, default=5.0, help="how long to read batches (default 5)")
-    parser.add_argument("--queue", default=f"demo-{int(time.time())}", help="queue name (default: unique)")
-    args = parser.parse_args(argv)
-    run(args.seconds, args.queue)
+    from gigashuffle.tools.cli import demo_parser
+
+    args = demo_parser().parse_args(argv)
+    run(args.seconds, args.queue or f"demo-{int(time.time())}")
     return 0

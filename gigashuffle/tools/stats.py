@@ -1,6 +1,15 @@
 """What ``gigashuffle stats`` shows: one row per queue and node found on a server's control plane, with rates.
 
 Only the standard library at module level, as in ``tools/cli.py``: the command must start at once.
+
+NOTE [ Stats rates ]
+The rows written and read and the node lock's hold time live in the node's slot table; Redis sees them only as a
+trainer's heartbeat records them, every ``HEARTBEAT_S`` (2 s), with the time of the reading on the node's own
+``CLOCK_MONOTONIC``. A rate sampled over our own interval sees 0, 1 or 2 of those steps (it printed 28K and 0
+alternately for a loader at 14K rows/s), so a rate here is always taken between two records, over the node's
+clock: each record carries the same trainer's previous one (``prev_*``, see ``ControlPlane.record_counts``), so
+one read gives a rate from the job's second heartbeat on; a record seen in an earlier frame serves too. In the
+first seconds of a job, before the second heartbeat, the first frame waits for it (``--interval``, default 5 s).
 """
 
 from __future__ import annotations
@@ -13,17 +22,28 @@ if TYPE_CHECKING:
     from gigashuffle.control.client import Client
     from gigashuffle.control.plane import ControlPlane
 
+# Shown in the table: enough of a generation's random part to tell sessions apart (the whole is 73 characters).
+GENERATION_CHARS = 8
+
+
+@dataclass(frozen=True)
+class Record:
+    """One heartbeat's record of a node's counters: rows written and read, the node lock's total hold time, and
+    when the node read them (ns of its ``CLOCK_MONOTONIC``; 0: no record)."""
+
+    written: int = 0
+    read: int = 0
+    lock_held_ns: int = 0
+    at_ns: int = 0
+
 
 @dataclass(frozen=True)
 class Sample:
-    """The state of one queue on one node at one moment, with the raw counters rates are computed from."""
+    """The state of one queue on one node, with the last two counter records rates are computed from."""
 
     row: dict[str, Any]
-    written: int
-    read: int
-    at: float
-    lock_held_ns: int = 0  # the node lock's total hold time, as a heartbeat last recorded it (0: none yet)
-    lock_at_ns: int = 0  # when the node read that total (CLOCK_MONOTONIC of the node's machine)
+    last: Record
+    previous: Record = Record()
 
 
 def _scan(client: Client, pattern: str) -> list[str]:
@@ -34,13 +54,15 @@ def _scan(client: Client, pattern: str) -> list[str]:
 
 
 def _stores(client: Client) -> list[ControlPlane]:
-    from gigashuffle.control.keys import META_PATTERN, QueueKeys
+    from gigashuffle.control.keys import GEN_PATTERN, QueueKeys
     from gigashuffle.control.plane import ControlPlane
 
+    # By the generation key, which the first trainer of a node sets as it joins: a queue is listed from the first
+    # second of a job, before its buffer's metadata is published.
     return [
         ControlPlane(client, QueueKeys(*parsed))
-        for meta_key in _scan(client, META_PATTERN)
-        if (parsed := QueueKeys.parse_tag(meta_key)) is not None
+        for gen_key in _scan(client, GEN_PATTERN)
+        if (parsed := QueueKeys.parse_tag(gen_key)) is not None
     ]
 
 
@@ -51,19 +73,17 @@ def sample(client: Client, server: str = "") -> list[Sample]:
     samples = []
     for store in _stores(client):
         keys = store.keys
-        written, read, lock_held_ns, lock_at_ns = store.counters()
-        at = time.monotonic()
+        last, previous = store.counter_records()
         stats = store.stats()  # slot counts as a trainer's heartbeat last recorded them (every HEARTBEAT_S)
-        size = int(store.meta().get("slots", b"0"))
-        ranks = len(_scan(client, keys.rank_pattern))
+        slots = store.meta().get("slots")
         row = {
             "queue": keys.queue,
             "node": keys.node,
-            "size": size,
+            "size": int(slots) if slots else None,  # None until the buffer is published
             "full": stats.full,
             "empty": stats.empty,
             "in_flight": stats.in_flight,
-            "ranks": ranks,
+            "ranks": len(_scan(client, keys.rank_pattern)),
             "processes": stats.processes,
             "written_per_s": None,
             "read_per_s": None,
@@ -71,55 +91,64 @@ def sample(client: Client, server: str = "") -> list[Sample]:
             "generation": text(stats.generation) if stats.generation else "",
             "server": server,
         }
-        samples.append(Sample(row, written, read, at, lock_held_ns, lock_at_ns))
+        samples.append(Sample(row, Record(*last), Record(*previous)))
     return samples
 
 
+def _key(s: Sample) -> tuple[str, str, str]:
+    return s.row["server"], s.row["queue"], s.row["node"]
+
+
 def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
-    """The rows of ``now``, with rows/s since the same queue's sample in ``before`` (None where it has none)."""
-    earlier = {(s.row["server"], s.row["queue"], s.row["node"]): s for s in before}
+    """The rows of ``now``, with rates between the newest counter record and the newest one older than it, of
+    this sample or of the same queue's sample in ``before`` (None where there are no two: NOTE [ Stats rates ])."""
+    earlier = {_key(s): s for s in before}
     rows = []
     for s in now:
         row = dict(s.row)
-        prev = earlier.get((row["server"], row["queue"], row["node"]))
-        # A counter that went down belongs to a new session (Redis restarted or flushed): no rate across it.
-        if prev is not None and s.at > prev.at and s.written >= prev.written and s.read >= prev.read:
-            row["written_per_s"] = round((s.written - prev.written) / (s.at - prev.at))
-            row["read_per_s"] = round((s.read - prev.read) / (s.at - prev.at))
-        if prev is not None:
-            row["lock_busy_pct"] = _lock_busy_pct(prev, s)
+        candidates = [s.previous]
+        if (prev := earlier.get(_key(s))) is not None:
+            candidates += [prev.last, prev.previous]
+        older = [r for r in candidates if 0 < r.at_ns < s.last.at_ns]
+        if older:
+            row.update(_rates(max(older, key=lambda r: r.at_ns), s.last))
         rows.append(row)
     return rows
 
 
-def _lock_busy_pct(before: Sample, now: Sample) -> float | None:
-    """The share of time the node lock was held between two of the node's own readings (taken on its clock, not
-    between our samples: heartbeats record them every ``HEARTBEAT_S``, at moments of their own); None without two
-    readings in order, e.g. when two ranks' heartbeats landed out of order."""
-    if not before.lock_at_ns or now.lock_at_ns <= before.lock_at_ns or now.lock_held_ns < before.lock_held_ns:
-        return None
-    return round(100 * (now.lock_held_ns - before.lock_held_ns) / (now.lock_at_ns - before.lock_at_ns), 1)
+def _rates(before: Record, now: Record) -> dict[str, Any]:
+    """Rows/s and the lock's busy share between two records of one node's clock. Counters that went down belong
+    to another slot table (a new session): no rate across them."""
+    seconds = (now.at_ns - before.at_ns) / 1e9
+    if now.written < before.written or now.read < before.read or now.lock_held_ns < before.lock_held_ns:
+        return {}
+    return {
+        "written_per_s": round((now.written - before.written) / seconds),
+        "read_per_s": round((now.read - before.read) / seconds),
+        "lock_busy_pct": round(100 * (now.lock_held_ns - before.lock_held_ns) / (now.at_ns - before.at_ns), 1),
+    }
 
 
-def queue_rows(client: Client, interval_s: float = 1.0) -> list[dict[str, Any]]:
-    """One row per queue and node found on the server; rates are measured over ``interval_s`` (0: none), or longer
-    until every queue's written and read counters moved: trainers record them every ``HEARTBEAT_S``, so a
-    shorter window may see none. At most ``2.5 * HEARTBEAT_S`` (an idle queue's counters never move)."""
+def short_generation(generation: str) -> str:
+    """The start of a generation's random part (``<server run_id>/<random>``): what tells two sessions apart."""
+    return generation.rpartition("/")[2][:GENERATION_CHARS]
+
+
+def needs_second_record(samples: list[Sample]) -> bool:
+    """True while a queue has fewer than two counter records (the first seconds of its job: the trainer maps the
+    slot table once a child attached, then records at every heartbeat), so no rate can be taken yet."""
+    return any(not s.previous.at_ns for s in samples)
+
+
+def queue_rows(client: Client, interval_s: float = 1.0, server: str = "") -> list[dict[str, Any]]:
+    """One row per queue and node found on the server, with rates (NOTE [ Stats rates ]); while a queue has fewer
+    than two counter records, waits for them: ``interval_s`` or ``2.5 * HEARTBEAT_S``, whichever is longer (0:
+    never waits)."""
     from gigashuffle.control.session import HEARTBEAT_S
 
-    before = sample(client)
-    if not before or interval_s <= 0:
-        return with_rates(before, [])
-    longest = time.monotonic() + max(interval_s, 2.5 * HEARTBEAT_S)
-    time.sleep(interval_s)
-    now = sample(client)
-    old = {(s.row["queue"], s.row["node"]): s for s in before}
-
-    def moved(s: Sample) -> bool:
-        prev = old.get((s.row["queue"], s.row["node"]))
-        return prev is None or (s.written != prev.written and s.read != prev.read)
-
-    while time.monotonic() < longest and not all(moved(s) for s in now):
-        time.sleep(0.05)
-        now = sample(client)
-    return with_rates(now, before)
+    samples = sample(client, server)
+    deadline = time.monotonic() + (max(interval_s, 2.5 * HEARTBEAT_S) if interval_s > 0 else 0.0)
+    while needs_second_record(samples) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        samples = sample(client, server)
+    return with_rates(samples, [])

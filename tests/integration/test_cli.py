@@ -44,7 +44,9 @@ def imported_modules(importtime_stderr: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("args", [["--help"], ["stats", "--help"], ["--version"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["stats", "--help"], ["--version"], ["demo", "--help"], ["bench", "--help"]]
+)
 def test_help_imports_nothing_heavy(args: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "gigashuffle.tools.cli", *args],
@@ -76,6 +78,22 @@ def test_subcommands_answer_their_own_help() -> None:
     done = cli("demo", "--help")
     assert done.returncode == 0, done.stderr
     assert "usage: gigashuffle demo" in done.stdout and "--seconds" in done.stdout
+    assert "``" not in done.stdout  # no reST markup from a docstring
+    bench = cli("bench", "--help")
+    assert bench.returncode == 0, bench.stderr
+    assert "usage: gigashuffle bench" in bench.stdout and "pip install 'gigashuffle[bench]'" in bench.stdout
+    assert "what the columns mean:" in bench.stdout and "slot age" in bench.stdout
+
+
+def test_bench_without_its_extra_says_what_to_install_in_one_line() -> None:
+    """After the README's install (no psutil) the bench died after 16 s with a ModuleNotFoundError traceback."""
+    hide_psutil = (
+        "import sys; sys.modules['psutil'] = None; from gigashuffle.tools.cli import main; "
+        "sys.exit(main(['bench', '--workload', 'tiny', '--seconds', '1']))"
+    )
+    done = subprocess.run([sys.executable, "-c", hide_psutil], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == ["gigashuffle bench needs psutil: pip install 'gigashuffle[bench]'"]
 
 
 def test_bench_json_through_the_command() -> None:
@@ -89,7 +107,7 @@ def test_bench_json_through_the_command() -> None:
 def test_bench_two_ranks_of_one_node_share_a_buffer(runtime_dir: Path) -> None:
     """--ranks 2: rank 1 is a process of its own on the embedded server rank 0 started, and both deliver rows."""
     done = cli(
-        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--ranks", "2", "--json",
+        "bench", "--workload", "tiny", "--seconds", "0.5", "--no-baselines", "--ranks", "2", "--writers", "1", "--json",
         "--log-level", "WARNING", timeout_s=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -178,7 +196,8 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
     assert busy is not None and 0.0 < busy <= 100.0, lock_rows  # the lock was taken while batches flowed
     assert listed_by_url.returncode == 0, listed_by_url.stderr
     (listed,) = json.loads(listed_by_url.stdout)
-    assert listed["queue"] == "cli-stats" and listed["read_per_s"] is None and listed["server"] == redis_url
+    assert listed["queue"] == "cli-stats" and listed["server"] == redis_url
+    assert isinstance(listed["read_per_s"], int)  # --interval 0 waits for nothing: the records were there
     assert legacy_flag.returncode == 0, legacy_flag.stderr
     header, line = legacy_flag.stdout.splitlines()
     assert header.split() == ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes",
@@ -198,7 +217,7 @@ def test_stats_finds_every_node_embedded_server_and_watches(runtime_dir: Path, m
         next(iter(loader0))  # both buffers exist before we look
         next(iter(loader1))
         once = cli("stats", "--json", "--interval", "0")
-        watched = cli("stats", "--json", "--interval", "0", "--watch", "0.2", "--count", "3")
+        watched = cli("stats", "--json", "--watch", "0.2", "--count", "3")
         table = cli("stats", "--watch", "0.2", "--count", "2")
     sockets = {f"unix://{runtime_dir / 'redis-n0.sock'}", f"unix://{runtime_dir / 'redis-n1.sock'}"}
 
@@ -214,7 +233,7 @@ def test_stats_finds_every_node_embedded_server_and_watches(runtime_dir: Path, m
     frames = [json.loads(line) for line in watched.stdout.splitlines()]
     assert len(frames) == 3
     assert all(len(frame) == 2 for frame in frames)
-    assert all(r["read_per_s"] is None for r in frames[0])  # --interval 0: no rate before a second refresh
+    # Rates come from the nodes' own counter records (NOTE [ Stats rates ]), so every frame that has two has them.
     assert all(isinstance(r["read_per_s"], int) and isinstance(r["written_per_s"], int) for r in frames[2])
 
     assert table.returncode == 0, table.stderr
@@ -223,6 +242,99 @@ def test_stats_finds_every_node_embedded_server_and_watches(runtime_dir: Path, m
     assert len(headers) == 2
     assert all(socket_url in headers[0] for socket_url in sockets)
     assert sum(line.split()[:2] == ["cli-nodes", "n1"] for line in lines) == 2
+
+
+class ThrottledConsumer:
+    """Reads batches at a steady, throttled pace in a thread, noting the rows it got and when."""
+
+    def __init__(self, loader: MultiprocessShuffledDataloader, pause_s: float, deadline_s: float = 120.0) -> None:
+        self.rows = 0
+        self._pause = pause_s
+        self.marks: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._batches = iter(loader)
+        self._deadline = time.monotonic() + deadline_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            batch = next(self._batches)
+            self.rows += len(batch[0]["id"])
+            self.marks.append((time.monotonic(), self.rows))
+            self._stop.wait(self._pause)
+
+    def rate_since(self, start: float) -> float:
+        """Rows per second delivered since ``start`` (monotonic), up to now."""
+        mine = [(t, n) for t, n in self.marks if t >= start]
+        assert len(mine) >= 2, "the consumer read nothing in the window"
+        return (mine[-1][1] - mine[0][1]) / (mine[-1][0] - mine[0][0])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive()
+
+
+def test_stats_rates_match_the_delivered_rate_once_and_watched(redis_url: str) -> None:
+    """Issue 25: one-shot runs printed 28K, 0, 28K... and --watch 1 alternated ~28K and 0 for a loader at 14K
+    rows/s, sampling over their own interval while the counters move every 2 s. Every figure must now sit near the
+    rate the trainer really got, and none be 0 while rows flow."""
+    config = DataloaderConfig(
+        bs=16, shuffle_size=256, queue_name="cli-rates", num_writers=1, num_readers=1, redis_url=redis_url
+    )
+    with MultiprocessShuffledDataloader(UniqueIds(), config) as loader:
+        consumer = ThrottledConsumer(loader, pause_s=0.01)  # at most 1,600 rows/s: far below the loader's, so steady
+        try:
+            deadline = time.monotonic() + 120
+            while not consumer.rows and time.monotonic() < deadline:  # rows flow: the first seconds of a job
+                time.sleep(0.05)
+            start = time.monotonic()
+            once = [cli("stats", "--redis", redis_url, "--json") for _ in range(3)]
+            watched = cli("stats", "--redis", redis_url, "--json", "--watch", "0.7", "--count", "6")
+            delivered = consumer.rate_since(start)
+        finally:
+            consumer.stop()
+    figures = []
+    for done in [*once, watched]:
+        assert done.returncode == 0, done.stderr
+        for line in done.stdout.splitlines() if done is watched else [done.stdout]:
+            (row,) = json.loads(line)
+            figures.append(row["read_per_s"])
+    assert len(figures) == 3 + 6
+    # Tolerant: each figure is a 2 s window of a rate that load may bend; the old bug gave 0 and twice the rate.
+    assert all(f is not None and 0.5 * delivered < f < 1.7 * delivered for f in figures), (delivered, figures)
+
+
+def test_stats_lists_a_queue_from_the_first_second_of_a_job(redis_url: str) -> None:
+    """Before the buffer exists (no ``meta`` key yet) the queue is listed: the first trainer's join made it."""
+    config = DataloaderConfig(bs=4, shuffle_size=64, queue_name="cli-early", num_writers=1, num_readers=1,
+                              redis_url=redis_url)  # fmt: skip
+    client = connect(redis_url)
+    try:
+        with MultiprocessShuffledDataloader(UniqueIds(), config):
+            early = cli("stats", "--redis", redis_url, "--interval", "0")
+            rows = queue_rows(client, interval_s=0)
+    finally:
+        client.close()
+    assert early.returncode == 0, early.stderr
+    assert "(no gigashuffle queues on this server)" not in early.stdout
+    assert [line.split()[:2] for line in early.stdout.splitlines()[1:]] == [["cli-early", "n0"]]
+    assert [(r["queue"], r["ranks"]) for r in rows] == [("cli-early", 1)]
+
+
+def test_stats_lines_fit_a_terminal(redis_url: str) -> None:
+    """The generation is shown by its first characters: a 73-character column made 190-character lines."""
+    config = DataloaderConfig(bs=4, shuffle_size=64, queue_name="cli-width", num_writers=1, num_readers=1,
+                              redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(UniqueIds(), config) as loader:
+        next(iter(loader))
+        done = cli("stats", "--redis", redis_url, "--interval", "0")
+        generation = loader._sup.session.generation
+    assert done.returncode == 0, done.stderr
+    header, line = done.stdout.splitlines()
+    assert max(len(header), len(line)) <= 120, done.stdout
+    assert line.split()[-1] == generation.rpartition("/")[2][:8]
 
 
 def _refused_url() -> str:
@@ -322,6 +434,8 @@ def test_demo_runs_a_real_loader_and_reports_what_it_did() -> None:
     """The README's first command: a real loader on the embedded server, and a report whose figures add up."""
     done = cli("demo", "--seconds", "2")
     assert done.returncode == 0, done.stderr[-3000:]
+    # stderr is a pipe here: plain progress lines, no bar redrawn with carriage returns.
+    assert "\r" not in done.stderr and "filling shuffle buffer: " in done.stderr, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
     batches, samples = (int(word.strip("(")) for word in lines["read"].split()[1:4:2])
     assert batches > 0 and samples == 64 * batches, lines["read"]

@@ -4,6 +4,7 @@ from the children, and teardown (close, context manager, finalizer) without leak
 from __future__ import annotations
 
 import gc
+import re
 import time
 import uuid
 from pathlib import Path
@@ -193,6 +194,10 @@ def test_a_later_chunk_with_another_dtype_fails_in_the_trainer(redis_url: str) -
         assert "float32" in message and "int64" in message
         assert "Traceback (most recent call last)" in message and "SchemaError" in message
         assert "Traceback (most recent call last)" in err.traceback_text
+        # The reference loader's wording, which its users' tests match: a RuntimeError saying "child ... died",
+        # then ours (who, and how).
+        assert isinstance(err, RuntimeError)
+        assert re.match(r"gigashuffle writer \d \(child pid \d+\) of queue '[^']+' died: exited with code 1", message)
         # The failure sticks: every later call raises it too, and close() still works.
         with pytest.raises(WorkerDied):
             next(iter(loader))
@@ -344,3 +349,12 @@ def test_index_key_is_reserved(redis_url: str) -> None:
         err = _next_error(loader)
         assert isinstance(err, WorkerDied), repr(err)
         assert INDEX_KEY in str(err) and "reserved" in str(err)
+
+
+def test_child_pids_are_complete_right_after_construction(redis_url: str) -> None:
+    """The zygote forks the children after the constructor returns: child_pids() waits for their pids rather than
+    answering with empty lists."""
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, "pids", num_writers=2)) as loader:
+        pids = loader.child_pids()
+        assert (len(pids["zygote"]), len(pids["writer"]), len(pids["reader"])) == (1, 2, 1), pids
+        assert all(pid > 0 for role in pids.values() for pid in role)

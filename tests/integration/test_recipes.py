@@ -247,3 +247,23 @@ def test_fill_once_fills_every_slot_while_one_writer_waits_for_data(redis_url: s
         ids = [i for batch in loader for i in batch[0]["id"].tolist()]
     assert len(ids) == slots and len(set(ids)) == slots, "one pass: every slot's row once"
     assert sum(writer_of(i) == 0 for i in ids) == 4 and sum(writer_of(i) == 1 for i in ids) == slots - 4
+
+
+@pytest.mark.parametrize(
+    ("script", "package"), [("hf_datasets.py", "datasets"), ("webdataset_shards.py", "webdataset")]
+)
+def test_a_recipe_without_its_package_says_what_to_install_in_one_line(script: str, package: str) -> None:
+    """A missing ``datasets`` or ``webdataset`` surfaced as an ImportError traceback (under torchrun, as its
+    ChildFailedError): the recipe now names the package in one line and exits with code 2."""
+    path = EXAMPLES / script
+    hide_and_run = (
+        f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = [{str(path)!r}]; "
+        f"runpy.run_path({str(path)!r}, run_name='__main__')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide_and_run], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [f"{path} needs the {package!r} package: pip install {package}"]
+    assert package in path.read_text().split('"""')[1]  # the docstring names it too

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from gigashuffle.tools.bench import quality, runner
+from gigashuffle.tools.bench import options, quality, runner
 from gigashuffle.tools.bench.baselines import (
     CopyFloor,
     WorkerShuffleBuffer,
@@ -235,6 +235,7 @@ def _fake_result() -> runner.Result:
     }
     return {
         "workload": "small",
+        "shuffle_size": 50,
         "seconds": 1.0,
         "torch_threads": 1,
         "num_writers": 1,
@@ -328,3 +329,38 @@ def test_cpu_meter_takes_excluded_seconds_off_their_group() -> None:
     assert meter.per_row_us(1_000_000) == {"trainer": 3.0, "reader": 2.0, "all": 5.0}
     # 1 s of the trainer's 3 s was the bench's bookkeeping: NOTE [ Bench bookkeeping ] in runner.py.
     assert meter.per_row_us(1_000_000, {"trainer": 1.0}) == {"trainer": 2.0, "reader": 2.0, "all": 4.0}
+
+
+def test_quality_table_has_one_ideal_per_workload_and_a_legend_for_every_column() -> None:
+    """Issue 25: two different "ideal" values sat under one header, and slot age, read lag's sign and warm-up were
+    explained nowhere. Now the implementations share one ideal row, and a legend explains each column."""
+    table = runner.format_table([_fake_result()])
+    section = table.split("shuffle quality in rows")[1].split("\n\n")[0].splitlines()
+    header, rows = section[1], section[2:]
+    assert "ideal" not in header
+    assert [row.split(",")[0].split()[1] for row in rows] == ["loader", "DataLoader", "ideal"]
+    assert rows[0].split()[2:4] == ["1", "writers"] and rows[1].split()[2:4] == ["2", "workers"]
+    legend = table.split("what the columns mean:")[1]
+    for column in ("displacement", "ratio", "buffer fill", "slot age", "read lag", "writers/batch", "first 1k",
+                   "dup %", "warm-up", "busy %"):  # fmt: skip
+        assert f"\n  {column}" in legend or f" {column}:" in legend or f"; {column}" in legend, column
+    assert "negative while a buffer" in legend  # the sign of read lag
+
+
+def test_distinct_writers_over_the_first_thousand_batches() -> None:
+    # 1,000 batches of one writer, then 500 batches of two: the start of the stream is told apart from the mean.
+    one = [make_ids(0, 10 * i, 10).numpy() for i in range(1_000)]
+    two = [np.concatenate([make_ids(0, 10_000 + 5 * i, 5).numpy(), make_ids(1, 5 * i, 5).numpy()]) for i in range(500)]
+    q = quality.measure(one + two, shuffle_size=64, num_writers=2)
+    assert q.distinct_writers_first_batches == 1.0
+    assert q.distinct_writers_per_batch == pytest.approx(4 / 3)
+
+
+def test_duplicate_fraction_counts_like_unique_over_writers_with_gaps() -> None:
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([make_ids(w, 0, 1_000).numpy()[rng.integers(0, 1_000, 700)] for w in (0, 3, 7)])
+    assert quality.duplicate_fraction(ids) == pytest.approx(1 - np.unique(ids).size / ids.size)
+
+
+def test_the_light_parser_knows_every_workload() -> None:
+    assert tuple(WORKLOADS) == options.WORKLOAD_NAMES

@@ -15,7 +15,7 @@ from gigashuffle import QueueStateLostError, RedisUnavailableError
 from gigashuffle.control.client import Client, run_script
 from gigashuffle.control.keys import PREFIX, QueueKeys
 from gigashuffle.control.plane import ControlPlane, QueueStats, check_server_version
-from gigashuffle.tools.stats import Sample, with_rates
+from gigashuffle.tools.stats import Record, Sample, with_rates
 
 GEN = "gen-1"
 KEYS = QueueKeys("slots-test", "n0")
@@ -133,16 +133,33 @@ def test_a_script_runs_while_the_script_cache_is_flushed_under_it(client: Client
 
 
 def test_stats_rates_take_the_lock_share_between_the_node_s_own_readings() -> None:
-    """``gigashuffle stats``: the lock's busy share comes from two heartbeat readings on the node's clock."""
+    """``gigashuffle stats``: rates and the lock's busy share come from two heartbeat records on the node's clock,
+    whatever the moments ``stats`` sampled at (NOTE [ Stats rates ])."""
     row = {"server": "s", "queue": "q", "node": "n0"}
-    first = Sample(dict(row), 100, 50, at=10.0, lock_held_ns=1_000_000, lock_at_ns=5_000_000_000)
-    later = Sample(dict(row), 300, 250, at=11.0, lock_held_ns=251_000_000, lock_at_ns=6_000_000_000)
-    (rates,) = with_rates([later], [first])
+    first = Record(100, 50, 1_000_000, 5_000_000_000)
+    later = Record(300, 250, 251_000_000, 6_000_000_000)
+    (rates,) = with_rates([Sample(dict(row), later, first)], [])
     assert (rates["written_per_s"], rates["read_per_s"], rates["lock_busy_pct"]) == (200, 200, 25.0)
-    unread = Sample(dict(row), 100, 50, at=10.0)  # no reading recorded yet (table not mapped)
-    assert with_rates([later], [unread])[0]["lock_busy_pct"] is None
-    out_of_order = Sample(dict(row), 300, 250, at=11.0, lock_held_ns=0, lock_at_ns=4_000_000_000)
-    assert with_rates([out_of_order], [first])[0]["lock_busy_pct"] is None
+    # One record only (the job's first heartbeat): none, unless an earlier frame saw an older one.
+    alone = Sample(dict(row), later)
+    assert with_rates([alone], [])[0].get("read_per_s") is None
+    assert with_rates([alone], [Sample(dict(row), first)])[0]["read_per_s"] == 200
+    # Sampled twice between two heartbeats: the same records, the same rate, never 0.
+    again = with_rates([Sample(dict(row), later, first)], [Sample(dict(row), later, first)])
+    assert again[0]["read_per_s"] == 200
+    unread = Sample(dict(row), Record())  # no reading recorded yet (table not mapped)
+    assert with_rates([unread], [Sample(dict(row), later, first)])[0].get("lock_busy_pct") is None
+    # Counters that went down: another slot table (a new session), no rate across it.
+    restarted = Sample(dict(row), Record(10, 5, 2_000, 7_000_000_000), later)
+    assert with_rates([restarted], [])[0].get("read_per_s") is None
+
+
+def test_each_count_record_carries_the_previous_one(store: ControlPlane) -> None:
+    assert store.counter_records() == ((0, 0, 0, 0), (0, 0, 0, 0))
+    store.record_counts((10, 4, 3, 5, 2, 7_000, 50_000))
+    assert store.counter_records() == ((10, 4, 7_000, 50_000), (0, 0, 0, 0))
+    store.record_counts((12, 6, 3, 5, 2, 9_000, 60_000))
+    assert store.counter_records() == ((12, 6, 9_000, 60_000), (10, 4, 7_000, 50_000))
 
 
 @pytest.mark.parametrize(

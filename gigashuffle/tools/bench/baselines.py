@@ -57,10 +57,6 @@ class Rate:
         }
 
 
-# Workers of the DataLoader baseline: one per core of the 2-core machine the figures come from.
-DATALOADER_WORKERS = 2
-
-
 def timed_batches(step: Callable[[], int], seconds: float, row_bytes: int, max_batches: int | None = None) -> Rate:
     """Call ``step`` (which returns the rows of the batch it produced) until ``seconds`` or ``max_batches``.
 

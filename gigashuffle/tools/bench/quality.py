@@ -18,7 +18,8 @@ Figures (all in rows):
 * read lag: mean ``read position - write position``, taken literally. For any buffer in steady state this
   is close to 0, since reads and writes advance at the same rate; it moves away from 0 when a buffer is
   still filling or favours fresh rows (negative) or old rows (positive);
-* distinct writers per batch: the mean over batches of how many writers' rows a batch holds;
+* distinct writers per batch: the mean over batches of how many writers' rows a batch holds, over every batch
+  and over the first ``FIRST_BATCHES`` (1,000) batches, the start of a job, when a buffer holds the least;
 * duplicate fraction: rows read more than once (should be 0).
 """
 
@@ -35,6 +36,7 @@ from gigashuffle.tools.bench.workloads import WRITER_SHIFT
 IntArray = npt.NDArray[np.int64]
 
 _COUNTER_MASK = (1 << WRITER_SHIFT) - 1
+FIRST_BATCHES = 1000  # distinct writers per batch is also given over this many first batches (issue 23)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ShuffleQuality:
     read_lag: float
     ideal_read_lag: float
     distinct_writers_per_batch: float
+    distinct_writers_first_batches: float
     duplicate_fraction: float
 
     def to_dict(self) -> dict[str, float | int]:
@@ -140,24 +143,41 @@ def simulate_ideal_buffer(num_reads: int, shuffle_size: int, seed: int = 0) -> I
         return np.zeros(0, dtype=np.int64)
     rng = np.random.default_rng(seed)
     slots = rng.integers(0, shuffle_size, size=num_reads, dtype=np.int64)
-    steps = np.arange(num_reads, dtype=np.int64)
-    order = np.lexsort((steps, slots))  # by slot, then by step
+    # By slot, then by step (stable: steps are in order already). Slot numbers that fit 16 bits are sorted as such:
+    # numpy radix-sorts those, 6x faster than the int64 sort for the 5.7 million reads of a 3 s tiny run.
+    keys = slots.astype(np.uint16) if shuffle_size <= 1 << 16 else slots
+    order = np.argsort(keys, kind="stable")
     previous = np.full(num_reads, -1, dtype=np.int64)
     same_slot = slots[order[1:]] == slots[order[:-1]]
     previous[order[1:][same_slot]] = order[:-1][same_slot]
     return np.where(previous >= 0, shuffle_size + previous, slots)
 
 
+def writers_per_batch(batches: Sequence[IntArray]) -> IntArray:
+    """Per batch, the number of distinct writers whose rows it holds."""
+    return np.array([np.unique(split_ids(batch)[0]).size for batch in batches if len(batch)], dtype=np.int64)
+
+
 def distinct_writers_per_batch(batches: Sequence[IntArray]) -> float:
     """Mean over batches of the number of distinct writers whose rows a batch holds."""
-    counts = [np.unique(split_ids(batch)[0]).size for batch in batches if len(batch)]
-    return float(np.mean(counts)) if counts else 0.0
+    counts = writers_per_batch(batches)
+    return float(counts.mean()) if counts.size else 0.0
 
 
 def duplicate_fraction(ids: IntArray) -> float:
+    """Share of rows read more than once. Counted with one bitmap per writer over its counters, in linear time:
+    ``np.unique`` sorts, and took 13.5 s for the 5.7 million rows of a 3 s tiny run."""
     if ids.size == 0:
         return 0.0
-    return 1.0 - np.unique(ids).size / ids.size
+    writers, counters = split_ids(ids)
+    distinct = 0
+    for writer in range(int(writers.min()), int(writers.max()) + 1):
+        mine = counters[writers == writer]
+        if mine.size:
+            seen = np.zeros(int(mine.max()) + 1, dtype=np.bool_)
+            seen[mine] = True
+            distinct += int(np.count_nonzero(seen))
+    return 1.0 - distinct / ids.size
 
 
 def measure(
@@ -191,5 +211,6 @@ def measure(
         read_lag=mean_read_lag(write_pos),
         ideal_read_lag=mean_read_lag(ideal),
         distinct_writers_per_batch=distinct_writers_per_batch(batches),
+        distinct_writers_first_batches=distinct_writers_per_batch(batches[:FIRST_BATCHES]),
         duplicate_fraction=duplicate_fraction(ids),
     )

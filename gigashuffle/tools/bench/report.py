@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gigashuffle.tools.bench.baselines import DATALOADER_WORKERS
+from gigashuffle.tools.bench.options import DATALOADER_WORKERS, LEGEND
 
 Result = dict[str, Any]
 MIB = 1 << 20
@@ -182,48 +182,43 @@ def _shaped_floor_table(results: Sequence[Result]) -> str:
     return title + _table(headers, rows)
 
 
+def _quality_row(workload: str, label: str, qual: dict[str, Any], fill: float | None, ideal: bool) -> list[str]:
+    prefix = "ideal_" if ideal else ""
+    return [
+        workload,
+        label,
+        _num(qual[f"{prefix}displacement"]),
+        _num(1.0 if ideal else qual["displacement_ratio"], 3),
+        _num(fill, 2),
+        _num(qual[f"{prefix}slot_age"]),
+        _num(qual[f"{prefix}read_lag"]),
+        "-" if ideal else _num(qual["distinct_writers_per_batch"], 2),
+        "-" if ideal else _num(qual.get("distinct_writers_first_batches"), 2),
+        "-" if ideal else _num(100 * qual["duplicate_fraction"], 2),
+        _num(qual["rows"]),
+    ]
+
+
 def _quality_table(results: Sequence[Result]) -> str:
     rows = []
     for res in results:
+        ideal = None
         for key, label in _IMPLS:
             qual = res.get(key, {}).get("quality")
             if not qual:
                 continue
             estimated = qual.get("write_order") == "estimated"  # from the writers' shares: see bench/stamps.py
-            rows.append(
-                [
-                    res["workload"],
-                    label + (" (est.)" if estimated else ""),
-                    _num(qual["displacement"]),
-                    _num(qual["ideal_displacement"]),
-                    _num(qual["displacement_ratio"], 3),
-                    _num(res[key].get("mean_fill"), 2),
-                    _num(qual["slot_age"]),
-                    _num(qual["ideal_slot_age"]),
-                    _num(qual["read_lag"]),
-                    _num(qual["distinct_writers_per_batch"], 2),
-                    _num(100 * qual["duplicate_fraction"], 2),
-                    _num(qual["rows"]),
-                ]
-            )
-    headers = [
-        "workload",
-        "impl",
-        "displacement",
-        "ideal",
-        "ratio",
-        "buffer fill",
-        "slot age",
-        "ideal age",
-        "read lag",
-        "writers/batch",
-        "dup %",
-        "rows",
-    ]
-    title = (
-        "shuffle quality in rows (ideal = uniform buffer of shuffle_size; ratio 1.0 = as mixed as ideal; buffer fill: "
-        "the mean share of full slots, which a writer-bound run keeps near min_mixing)\n"
-    )
+            sources = res["num_writers"] if key == "loader" else res[key].get("num_workers", DATALOADER_WORKERS)
+            kind = "writers" if key == "loader" else "workers"
+            name = f"{label}, {sources} {kind}" + (" (est.)" if estimated else "")
+            rows.append(_quality_row(res["workload"], name, qual, res[key].get("mean_fill"), ideal=False))
+            ideal = qual
+        if ideal is not None:  # the same number of rows for every implementation: one ideal (NOTE [ One ideal ])
+            label = f"ideal {res['shuffle_size']:,}-slot buffer"
+            rows.append(_quality_row(res["workload"], label, ideal, 1.0, ideal=True))
+    headers = ["workload", "impl", "displacement", "ratio", "buffer fill", "slot age", "read lag", "writers/batch",
+               "first 1k", "dup %", "rows"]  # fmt: skip
+    title = "shuffle quality in rows, over the same first rows of each implementation (see the legend below)\n"
     return title + _table(headers, rows)
 
 
@@ -244,4 +239,5 @@ def format_table(results: Sequence[Result] | Result) -> str:
         sections.append(_shaped_floor_table(results))
     if any(res.get(key, {}).get("quality") for res in results for key, _ in _IMPLS):
         sections.append(_quality_table(results))
+    sections.append(LEGEND)
     return "\n\n".join(sections) + "\n"

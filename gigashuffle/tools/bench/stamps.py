@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,39 @@ class ChunkLog:
             self._times[chunk] = time.monotonic_ns()
 
 
-def measure_quality(
-    workload: Workload, ids: list[npt.NDArray[np.int64]], writers: int, stamps: ChunkStamps
-) -> dict[str, Any]:
-    """Quality figures of the rows read (``ids`` per batch, in read order), placed in the write stream by their
-    writers' chunk times when every row has one; else estimated from each writer's share, and said so."""
+@dataclass(frozen=True)
+class Stream:
+    """The rows one implementation delivered, per batch in read order, and their write times (None: unknown)."""
+
+    batches: list[npt.NDArray[np.int64]]
+    stamps: npt.NDArray[np.int64] | None
+    writers: int
+
+    @property
+    def rows(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+
+def read_stream(workload: Workload, ids: list[npt.NDArray[np.int64]], writers: int, stamps: ChunkStamps) -> Stream:
+    """The rows read (``ids`` per batch) with their writers' chunk times, read now: the stamp files go away with
+    their run."""
     row_stamps = stamps.row_stamps(np.concatenate(ids), workload.chunk_rows) if ids else None
     if row_stamps is None and ids:
         log.warning("%s: rows without a write time; quality estimates write order from each writer's share",
                     workload.name)  # fmt: skip
-    figures = quality.measure(ids, workload.shuffle_size, writers, stamps=None if row_stamps is None else [row_stamps])
-    return {**figures.to_dict(), "write_order": "estimated" if row_stamps is None else "stamped"}
+    return Stream(ids, row_stamps, writers)
+
+
+def measure_quality(workload: Workload, stream: Stream, rows: int | None = None) -> dict[str, Any]:
+    """Quality figures of the first ``rows`` rows of ``stream`` (whole batches; default all), placed in the write
+    stream by their writers' chunk times when every row has one; else estimated from each writer's share, and
+    said so. Implementations compared over the same number of rows share one ideal (NOTE [ One ideal ])."""
+    batches, taken = [], 0
+    for batch in stream.batches:
+        if rows is not None and taken + len(batch) > rows:
+            break
+        batches.append(batch)
+        taken += len(batch)
+    row_stamps = None if stream.stamps is None else [stream.stamps[:taken]]
+    figures = quality.measure(batches, workload.shuffle_size, stream.writers, stamps=row_stamps)
+    return {**figures.to_dict(), "write_order": "estimated" if stream.stamps is None else "stamped"}
