@@ -9,6 +9,7 @@ from gigashuffle._version import __version__
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import (
     AttachError,
+    CheckpointError,
     ConfigMismatchError,
     GigashuffleError,
     NodeLockBusy,
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from gigashuffle.loader import MultiprocessShuffledDataloader
     from gigashuffle.schema import INDEX_KEY
-    from gigashuffle.slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "MultiprocessShuffledDataloader": ".loader",
     "INDEX_KEY": ".schema",
-    "ShuffleBufferStats": ".slottable",
-    "LockUsage": ".slottable",
+    "ShuffleBufferStats": ".shm.slottable",
+    "LockUsage": ".shm.slottable",
 }
 
 
@@ -64,6 +65,7 @@ __all__ = [
     "INDEX_KEY",
     "AttachError",
     "Buffer",
+    "CheckpointError",
     "ConfigMismatchError",
     "DataloaderConfig",
     "GigashuffleError",

@@ -32,7 +32,19 @@ class BatchReady:
 @dataclass(frozen=True)
 class Attached:
     """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
-    (NOTE [ Rejoining ] in ``trainer/supervisor.py``)."""
+    (NOTE [ Rejoining ] in ``trainer/supervisor.py``). A writer of a stateful dataset sends the memfd of its
+    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A writer's dataset state before a chunk: ``produced`` rows of its stream (since the state it started from,
+    serial ``serial``) came before that chunk. Sent a few times a second, never per chunk: NOTE [ Respawned
+    writers ]."""
+
+    serial: int
+    produced: int
+    state: Any
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,7 @@ class DatasetState:
     request: int
     index: int
     state: Any
+    skip: int = 0  # rows after ``state`` that were already written (NOTE [ Respawned writers ])
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,18 @@ class SetContext:
 
 @dataclass(frozen=True)
 class LoadState:
+    """Load ``state`` into the dataset, skip the ``skip`` rows after it, and count commits under ``serial``; also
+    lets a writer that holds before its first rows go on (``Go``)."""
+
     state: Any
+    skip: int = 0
+    serial: int = 0
+
+
+@dataclass(frozen=True)
+class Go:
+    """The trainer asked for its first batch (or restored a state): a writer that holds before committing its
+    first rows goes on (NOTE [ Restore before reading ] in procs/resume.py)."""
 
 
 @dataclass(frozen=True)
@@ -97,5 +121,5 @@ class Rejoin:
     generation: str
 
 
-ToTrainer = RingReady | Attached | BatchReady | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest | Rejoin
+ToTrainer = RingReady | Attached | Progress | BatchReady | PassEnd | DatasetState | ChildError
+ToChild = FreeSlot | StartPass | SetContext | LoadState | Go | StateRequest | Rejoin

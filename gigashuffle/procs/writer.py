@@ -45,8 +45,9 @@ from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
-from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.messages import Attached, DatasetState, Go, LoadState, Rejoin, SetContext, StateRequest
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
+from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.seeds import writer_seed
 from gigashuffle.schema import Layout
 from gigashuffle.shm.picker import NO_IDS
@@ -70,14 +71,17 @@ class _Chunks:
     see NOTE [ Empty shares ].
     """
 
-    def __init__(self, spec: ChildSpec, env: ChildEnv) -> None:
+    def __init__(self, spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
         self.dataset = spec.dataset
         self.env = env
+        self.position = position
         self.limit = spec.config.writer_max_retries
         self._it: Iterator[Any] | None = None
         self._yielded = False  # whether the current pass has yielded any chunk
         # Called before the writer idles on an empty share: it must not keep empty slots reserved meanwhile.
         self.before_idle: Callable[[], None] = _nothing
+        # Called before a loaded state replaces the stream: rows copied from the old one are published first.
+        self.before_restart: Callable[[], None] = _nothing
 
     def restart(self) -> None:
         self._it = None
@@ -177,11 +181,17 @@ def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
             dataset.context = message.context
             changed = True
         elif isinstance(message, LoadState):
+            chunks.before_restart()
             dataset.load_state_dict(message.state)
             chunks.restart()
+            chunks.position.restart(message.state, message.skip, message.serial)
+            env.spec.go = True
             changed = True
+        elif isinstance(message, Go):
+            env.spec.go = True
         elif isinstance(message, StateRequest):
-            env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
+            state, skip = chunks.position.answer(dataset)
+            env.channel.send(DatasetState(message.request, env.spec.index, state, skip))
         elif isinstance(message, Rejoin):
             env.rejoin(message.generation)
         else:
@@ -193,18 +203,19 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     _set_worker_info(spec)
     if spec.has_context:
         spec.dataset.context = spec.context
-    if spec.dataset_state is not None:
-        spec.dataset.load_state_dict(spec.dataset_state)
+    position = initial_position(spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial)
     env = ChildEnv(spec, channel)
     try:
-        _run(spec, env)
+        _run(spec, env, position)
     finally:
         env.close()
+        position.close()
 
 
-def _run(spec: ChildSpec, env: ChildEnv) -> None:
-    chunks = _Chunks(spec, env)
+def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
+    chunks = _Chunks(spec, env, position)
     _handle_control(env, chunks)
+    position.before_fetch(spec.dataset, env.channel)
     chunk = chunks.next()
     layout = Layout.from_chunk(chunk)
     if env.store.meta().get("layout") is None:
@@ -225,11 +236,25 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
-    env.channel.send(Attached())
+    env.channel.send(Attached(), position.fds())
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
         dummyrow.publish_row(env.client, env.store.keys, env.secret, spec.generation, *env.dummy_row, env.proc)
+    if not _hold(env, chunks):
+        chunk = None  # a state was loaded: the chunk taken for the layout is not part of the stream any more
     _write_forever(env, chunks, chunk, layout)
+
+
+def _hold(env: ChildEnv, chunks: _Chunks) -> bool:
+    """Wait for ``Go`` or ``LoadState`` before committing any row (NOTE [ Restore before reading ] in
+    procs/resume.py); False if a state was loaded meanwhile."""
+    serial = chunks.position.serial
+    chores = Housekeeping(env)
+    while not env.spec.go:
+        if env.channel.poll(_IDLE_POLL_S):
+            _handle_control(env, chunks)
+        chores.tick()
+    return chunks.position.serial == serial
 
 
 def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
@@ -242,22 +267,31 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
     control_due = 0.0  # when the trainer's messages are next read between chunks
-    with PendingRows(table, me) as pending:
+    position, dataset = chunks.position, env.spec.dataset
+    on_commit = position.committed if position.stateful else None  # NOTE [ Respawned writers ]
+    with PendingRows(table, me, on_commit=on_commit) as pending:
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
             pending.publish()
             reserved.give_back()
 
         chunks.before_idle = before_idle
+        chunks.before_restart = pending.publish
         while True:
+            if chunk is None:
+                position.before_fetch(dataset, env.channel)
+                chunk = chunks.next()
             rows, as_bytes = layout.rows_in(chunk)
-            done = 0
+            serial = position.serial
+            done = position.take(rows)
             while done < rows:
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
                     reserved.add(table.acquire_empty(me, rows - done))
                     if not reserved.held():
                         _handle_control(env, chunks)
+                        if position.serial != serial:
+                            break  # a state was loaded: the rest of this chunk is not part of the stream
                         chores.tick()
                         backoff.sleep()
                         continue
@@ -274,7 +308,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 control_due = now + _CONTROL_PERIOD_S
                 chores.tick()
                 _handle_control(env, chunks)
-            chunk = chunks.next()
+            chunk = None
 
 
 class _Reservation:

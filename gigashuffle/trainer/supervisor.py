@@ -59,7 +59,9 @@ from gigashuffle.procs.messages import (
     ChildError,
     DatasetState,
     FreeSlot,
+    Go,
     PassEnd,
+    Progress,
     Rejoin,
     RingReady,
     ToChild,
@@ -72,6 +74,7 @@ from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer.dropped import DroppedBatches
 from gigashuffle.trainer.nodetable import TableView
+from gigashuffle.trainer.resumepoints import ResumePoints
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +93,15 @@ class Supervisor:
         server: embedded.EmbeddedServer | None,
         session: NodeSession,
         runtime_dir: str,
+        stateful: bool = False,
     ) -> None:
         self.config = config
         self.dataset = dataset
+        # A stateful dataset's writers track their commits and hold before reading until ``say_go()`` (NOTE
+        # [ Respawned writers ] and [ Restore before reading ] in procs/resume.py); a feed-only rank never asks.
+        self.stateful = stateful
+        self.go = not stateful or config.num_readers == 0
+        self.resume = ResumePoints(config.num_writers)
         self.client = client
         self.redis_url = redis_url
         self.server = server
@@ -108,7 +117,6 @@ class Supervisor:
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
         self.context: tuple[bool, Any] = (False, None)
-        self.dataset_states: list[Any] | None = None
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
@@ -136,6 +144,7 @@ class Supervisor:
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: str, index: int) -> bytes:
         has_context, context = self.context
+        state, skip, serial = self.resume.start_of(index) if role == "writer" else (None, 0, 0)
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -148,9 +157,13 @@ class Supervisor:
             dataset=self.dataset if role == "writer" else None,
             context=context,
             has_context=has_context,
-            dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
+            dataset_state=state,
             seed=self.seed,
             start=start,
+            stateful=self.stateful,
+            skip=skip,
+            serial=serial,
+            go=self.go,
         )
         try:
             return dumps_by_value(spec)
@@ -219,7 +232,11 @@ class Supervisor:
             child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
             self._on_attached(child)
         elif isinstance(message, Attached):
+            if child.role == "writer":
+                self.resume.on_attached(child.index, fds)
             self._on_attached(child)
+        elif isinstance(message, Progress):
+            self.resume.on_report(child.index, message)
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
         elif isinstance(message, DatasetState):
@@ -250,6 +267,8 @@ class Supervisor:
             remove_socket(attach_socket_path(child.pid, self.runtime_path))
         if self.closed:
             return
+        if child.role == "writer" and self.stateful:
+            self.resume.on_death(child.index)  # before the repair: its successor starts after its last commit
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
@@ -383,6 +402,17 @@ class Supervisor:
     def readers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
+    def say_go(self) -> None:
+        """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going."""
+        if not self.go:
+            self.go = True
+            self.send_to_writers(Go())
+
+    def load_states(self, states: list[Any], skips: list[int]) -> list[int]:
+        """``load_state_dict``: writers started from now on start from these; returns the states' serials."""
+        self.go = True
+        return self.resume.load(states, skips)
+
     def send_to_writers(self, message: ToChild) -> None:
         payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
         for child in self.writers():
@@ -414,6 +444,7 @@ class Supervisor:
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self.node_table.close()
+        self.resume.close()
         leave_at_close(self.session, self.redis_url, self.server)
         self.client.close()
         if self.server is not None:
