@@ -62,6 +62,14 @@ class DatasetState:
     index: int
     state: Any
     skip: int = 0  # rows after ``state`` that were already written (NOTE [ Respawned writers ])
+    # A checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ]): layout JSON, fields.
+    layout_json: str = ""
+    rows: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A reader has announced every batch it drew and draws nothing until ``Resume`` (NOTE [ Checkpoint cut ])."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,10 @@ class LoadState:
     state: Any
     skip: int = 0
     serial: int = 0
+    # Rows a checkpoint saved (NOTE [ Checkpoint cut ]): the layout's JSON and per field ``uint8 [n, row_bytes]``;
+    # the writer puts them back into the buffer before it reads its dataset on.
+    layout_json: str = ""
+    rows: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,21 @@ class Go:
 
 @dataclass(frozen=True)
 class StateRequest:
+    """Answer ``DatasetState``; with ``pause``, first publish every copied row, answer for exactly the rows in the
+    buffer, and write nothing more until ``Resume`` (NOTE [ Checkpoint cut ])."""
+
     request: int
+    pause: bool = False
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A reader finishes the draw it has begun, answers ``Paused`` and draws nothing until ``Resume``."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint's cut is over: readers draw and writers write again."""
 
 
 @dataclass(frozen=True)
@@ -121,5 +147,5 @@ class Rejoin:
     generation: str
 
 
-ToTrainer = RingReady | Attached | Progress | BatchReady | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | Go | StateRequest | Rejoin
+ToTrainer = RingReady | Attached | Progress | BatchReady | Paused | PassEnd | DatasetState | ChildError
+ToChild = FreeSlot | StartPass | SetContext | LoadState | Go | StateRequest | Pause | Resume | Rejoin

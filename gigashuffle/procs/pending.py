@@ -69,7 +69,7 @@ class PendingRows:
         # Held from taking the pending rows to counting their commit, so that the two publishing threads commit in
         # the order the rows were written and ``on_commit`` counts them in that order (NOTE [ Respawned writers ]).
         self._publishing = threading.Lock()
-        self._on_commit = on_commit
+        self.on_commit = on_commit  # told each commit's row count, in write order
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -112,8 +112,8 @@ class PendingRows:
         return fresh
 
     def _counted(self, rows: int) -> None:
-        if rows and self._on_commit is not None:
-            self._on_commit(rows)
+        if rows and self.on_commit is not None:
+            self.on_commit(rows)
 
     def publish_overdue(self, age_s: float) -> None:
         """The watcher's step: publish the pending rows if the oldest has waited ``age_s``."""

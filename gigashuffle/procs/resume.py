@@ -56,6 +56,11 @@ class StreamPosition:
         self.skip_left = skip
         self.base_state = base_state
         self.started = False  # rows of this stream were taken into the write loop
+        self.chunk_state: Any = base_state  # the dataset's state before the chunk being written
+        self.done: int | None = None  # rows of that chunk written or skipped, while the writer is inside it
+        self.paused = False  # NOTE [ Checkpoint cut ]: between StateRequest(pause=True) and Resume
+        self.restore_rows: tuple[str, tuple[Any, ...]] | None = None  # a checkpoint's rows, to write back first
+        self.restored = 0  # how many of them are copied into the buffer
         self._report_due = 0.0
         self.memory: SharedMemory | None = None
         self.counter: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(2, dtype=np.int64)
@@ -75,18 +80,21 @@ class StreamPosition:
         """A new base: ``state`` was loaded; its first ``skip`` rows are written already. Pending rows of the old
         stream must be published before."""
         self.serial, self.produced, self.skip_left, self.base_state = serial, 0, skip, state
+        self.chunk_state, self.done, self.started = state, None, False
         self.counter[:] = (serial, skip)
         self._report_due = 0.0
 
     def before_fetch(self, dataset: Any, channel: Channel) -> None:
-        """Report the dataset's state before the next chunk, when one is due."""
+        """Note the dataset's state before the next chunk (one ``state_dict()`` per chunk, stateful datasets only)
+        and report it when a report is due."""
         if not self.stateful:
             return
+        self.chunk_state = dataset.state_dict()
         now = time.monotonic()
         if now < self._report_due:
             return
         self._report_due = now + REPORT_PERIOD_S
-        channel.send(Progress(self.serial, self.produced, dataset.state_dict()))
+        channel.send(Progress(self.serial, self.produced, self.chunk_state))
 
     def take(self, rows: int) -> int:
         """A chunk of ``rows`` rows enters the write loop: how many of its first rows to skip."""
@@ -94,13 +102,24 @@ class StreamPosition:
         skipped = min(self.skip_left, rows)
         self.skip_left -= skipped
         self.produced += rows
+        self.done = skipped
         return skipped
 
     def answer(self, dataset: Any) -> tuple[Any, int]:
-        """(state, skip) for ``state_dict()``: the base while holding, else the dataset's state between chunks."""
+        """(state, skip) for ``state_dict()``: every row after it not yet in the buffer comes after ``skip`` rows.
+        The base while holding; inside a chunk, the state before it and the rows of it written; else the state."""
         if not self.started:
             return self.base_state, self.skip_left
+        if self.done is not None:
+            return self.chunk_state, self.done
         return dataset.state_dict(), self.skip_left
+
+    def leftover(self) -> tuple[str, tuple[Any, ...]]:
+        """The checkpoint's saved rows not yet copied back: a cut now must save them again."""
+        if self.restore_rows is None:
+            return "", ()
+        layout_json, fields = self.restore_rows
+        return layout_json, tuple(f[self.restored :] for f in fields)
 
     def close(self) -> None:
         if self.memory is not None:

@@ -45,7 +45,16 @@ from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
-from gigashuffle.procs.messages import Attached, DatasetState, Go, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.messages import (
+    Attached,
+    DatasetState,
+    Go,
+    LoadState,
+    Rejoin,
+    Resume,
+    SetContext,
+    StateRequest,
+)
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
 from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.seeds import writer_seed
@@ -172,31 +181,48 @@ def _set_worker_info(spec: ChildSpec) -> int:
 
 
 def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
-    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state)."""
-    dataset = env.spec.dataset
+    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state). Paused
+    by a checkpoint's cut, it returns only after ``Resume`` (NOTE [ Checkpoint cut ] in trainer/cut.py)."""
     changed = False
-    while env.channel.poll(0):
-        message, _ = env.channel.recv()
-        if isinstance(message, SetContext):
-            dataset.context = message.context
-            changed = True
-        elif isinstance(message, LoadState):
-            chunks.before_restart()
-            dataset.load_state_dict(message.state)
-            chunks.restart()
-            chunks.position.restart(message.state, message.skip, message.serial)
-            env.spec.go = True
-            changed = True
-        elif isinstance(message, Go):
-            env.spec.go = True
-        elif isinstance(message, StateRequest):
-            state, skip = chunks.position.answer(dataset)
-            env.channel.send(DatasetState(message.request, env.spec.index, state, skip))
-        elif isinstance(message, Rejoin):
-            env.rejoin(message.generation)
-        else:
-            log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    position = chunks.position
+    while env.channel.poll(_IDLE_POLL_S if position.paused else 0) or position.paused:
+        if env.channel.poll(0):
+            message, _ = env.channel.recv()
+            changed = _apply(env, chunks, message) or changed
+        elif env.table is not None and (repaired := env.table.repair()):
+            log.info("returned %d slots of dead processes", repaired)
     return changed
+
+
+def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
+    dataset, position = env.spec.dataset, chunks.position
+    if isinstance(message, SetContext):
+        dataset.context = message.context
+        return True
+    if isinstance(message, LoadState):
+        chunks.before_restart()
+        dataset.load_state_dict(message.state)
+        chunks.restart()
+        position.restart(message.state, message.skip, message.serial)
+        position.restore_rows = (message.layout_json, message.rows) if message.rows else None
+        position.restored = 0
+        env.spec.go = True
+        return True
+    if isinstance(message, Go):
+        env.spec.go = True
+    elif isinstance(message, StateRequest):
+        if message.pause:
+            chunks.before_restart()  # every row copied is published: the cut finds it full in the buffer
+            position.paused = True
+        state, skip = position.answer(dataset)
+        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, *position.leftover()))
+    elif isinstance(message, Resume):
+        position.paused = False
+    elif isinstance(message, Rejoin):
+        env.rejoin(message.generation)
+    else:
+        log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    return False
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:
@@ -277,21 +303,23 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
 
         chunks.before_idle = before_idle
         chunks.before_restart = pending.publish
-        while True:
-            if chunk is None:
-                position.before_fetch(dataset, env.channel)
-                chunk = chunks.next()
-            rows, as_bytes = layout.rows_in(chunk)
+
+        def write(as_bytes: list[torch.Tensor], rows: int, done: int, saved: bool = False) -> None:
+            """Copy rows ``done:`` into slots, serving the trainer while no slot is empty; ``saved``: they are a
+            checkpoint's saved rows (position.restored counts them), else the chunk's (position.done)."""
             serial = position.serial
-            done = position.take(rows)
             while done < rows:
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
                     reserved.add(table.acquire_empty(me, rows - done))
                     if not reserved.held():
+                        if saved:
+                            position.restored = done
+                        else:
+                            position.done = done
                         _handle_control(env, chunks)
                         if position.serial != serial:
-                            break  # a state was loaded: the rest of this chunk is not part of the stream
+                            return  # a state was loaded: the rest of these rows is not part of the stream
                         chores.tick()
                         backoff.sleep()
                         continue
@@ -300,6 +328,16 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 buffer.write(slots, as_bytes, done)
                 done += len(slots)
                 pending.add(slots)
+
+        while True:
+            if position.restore_rows is not None:
+                _write_back(position, layout, pending, write)
+            if chunk is None:
+                position.before_fetch(dataset, env.channel)
+                chunk = chunks.next()
+            rows, as_bytes = layout.rows_in(chunk)
+            write(as_bytes, rows, position.take(rows))
+            position.done = None
             per_commit = rows_per_commit(rows, buffer.slots)
             if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
                 reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))
@@ -309,6 +347,33 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 chores.tick()
                 _handle_control(env, chunks)
             chunk = None
+
+
+def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, write: Callable[..., None]) -> None:
+    """Put a checkpoint's saved rows back into the buffer (NOTE [ Checkpoint cut ] in trainer/cut.py), published
+    and not counted as rows of the dataset's stream. A cut meanwhile gets the rows not yet copied back with this
+    writer's answer (``position.leftover()``)."""
+    if position.restore_rows is None:
+        return
+    layout_json, fields = position.restore_rows
+    saved = Layout.from_json(layout_json)
+    if saved != layout:
+        raise SchemaError(
+            f"the checkpoint's saved rows have layout [{saved.describe()}] but this queue's buffer has "
+            f"[{layout.describe()}]; resume with the dataset (fields, dtypes, row shapes) that wrote the checkpoint"
+        )
+    rows = int(fields[0].shape[0]) if fields else 0
+    pending.publish()  # rows of the stream so far are counted as such
+    counted, pending.on_commit = pending.on_commit, None
+    serial = position.serial
+    try:
+        write(list(fields), rows, 0, saved=True)
+        pending.publish()
+    finally:
+        pending.on_commit = counted
+    if position.serial == serial:  # else a new state (with its own rows, maybe) came meanwhile
+        position.restore_rows, position.restored = None, 0
+        log.info("wrote back %d rows saved by the checkpoint", rows)
 
 
 class _Reservation:

@@ -412,6 +412,11 @@ class SlotTable:
         finally:
             self._release()
 
+    def full_ids(self, wait_s: float | None = None) -> SlotIds:
+        """The slots that are full right now (a checkpoint's copy of the buffer: NOTE [ Checkpoint cut ])."""
+        with self._locked(wait_s):
+            return np.flatnonzero(self.state == FULL)
+
     def snapshot(self, wait_s: float | None = None) -> TableSnapshot:
         # One count_nonzero per state: np.bincount first widens the uint8 states to intp (~8x slower here).
         with self._locked(wait_s):

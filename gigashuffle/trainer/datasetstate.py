@@ -12,18 +12,18 @@ into one (what ``torch.distributed.checkpoint`` and frameworks that save from ra
 
 from __future__ import annotations
 
-import itertools
-import time
 from typing import Any
+
+import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
-from gigashuffle.procs.messages import DatasetState, LoadState, StateRequest
+from gigashuffle.procs.messages import LoadState
+from gigashuffle.trainer import cut
 from gigashuffle.trainer.supervisor import Supervisor
 
 # How long state_dict() waits for every writer's answer, a dead writer's respawn included.
 REPLY_TIMEOUT_S = 60.0
-_requests = itertools.count(1)
 
 
 def rank_key(global_rank: int) -> str:
@@ -31,45 +31,22 @@ def rank_key(global_rank: int) -> str:
 
 
 def collect(sup: Supervisor, config: DataloaderConfig, timeout_s: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
-    """Ask every writer of this rank for its dataset's state and wait for all the answers.
+    """This rank's checkpoint: every writer's dataset state and the rows read and not delivered (NOTE
+    [ Checkpoint cut ] in trainer/cut.py).
 
     A writer that dies before it answers (killed, OOM) is asked again once the supervisor has started it again:
     the new one answers from the state the trainer gave it (NOTE [ Respawned writers ]). Past ``timeout_s`` (or
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
-    answers: dict[int, DatasetState] = {}
-    asked: dict[int, tuple[int, int]] = {}  # writer index -> (the child's spawn seq, the request it got)
-    deadline = time.monotonic() + timeout_s
-    while len(answers) < config.num_writers:
-        for child in sup.writers():
-            if child.index in answers or asked.get(child.index, (-1, 0))[0] == child.seq:
-                continue
-            request = next(_requests)
-            try:
-                child.channel.send(StateRequest(request))
-            except OSError:
-                continue  # it is dying: the zygote reports its exit and the supervisor starts it again
-            asked[child.index] = (child.seq, request)
-        sup.pump(0.05)
-        for index, (_seq, request) in asked.items():
-            answer = sup.states.get(index)
-            if answer is not None and answer.request == request:
-                answers[index] = answer
-        if time.monotonic() > deadline and len(answers) < config.num_writers:
-            missing = sorted(set(range(config.num_writers)) - set(answers))
-            raise CheckpointError(
-                f"queue {config.queue_name!r} rank {config.global_rank}: writers {missing} did not report their "
-                f"dataset state within {timeout_s:g} s (a dataset whose __iter__ blocks between chunks cannot "
-                "answer; see the log for a writer that keeps dying)"
-            )
-    ordered = [answers[i] for i in range(config.num_writers)]
+    answers, rows = cut.take(sup, config, timeout_s)
     return {
         rank_key(config.global_rank): {
             "global_rank": config.global_rank,
             "global_world_size": config.global_world_size,
             "num_writers": config.num_writers,
-            "writers": [a.state for a in ordered],
-            "skip": [a.skip for a in ordered],
+            "writers": [a.state for a in answers],
+            "skip": [a.skip for a in answers],
+            "rows": rows,
         }
     }
 
@@ -107,7 +84,20 @@ def own_part(config: DataloaderConfig, state: dict[str, Any]) -> dict[str, Any]:
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in skip)
     ):
         raise CheckpointError(f"load_state_dict: {key}['skip'] must list {config.num_writers} ints >= 0, got {skip!r}")
-    return {"writers": writers, "skip": skip}
+    rows = mine.get("rows") or {}
+    if rows:
+        fields = rows.get("fields") if isinstance(rows, dict) else None
+        if (
+            not isinstance(rows.get("layout"), str)
+            or not isinstance(fields, list)
+            or not all(isinstance(f, torch.Tensor) and f.dtype == torch.uint8 and f.dim() == 2 for f in fields)
+            or len({int(f.shape[0]) for f in fields}) > 1
+        ):
+            raise CheckpointError(
+                f"load_state_dict: {key}['rows'] must be {{'layout': str, 'fields': [uint8 tensor [n, row_bytes] per "
+                "field, all with the same n]}} as state_dict() saved it; the checkpoint is damaged"
+            )
+    return {"writers": writers, "skip": skip, "rows": rows}
 
 
 def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) -> None:
@@ -115,9 +105,11 @@ def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) ->
     (a respawn) gets it in its spec."""
     mine = own_part(config, state)
     serials = sup.load_states(mine["writers"], mine["skip"])
+    rows = mine["rows"]
     for child in sup.writers():
         i = child.index
+        saved = (rows["layout"], tuple(rows["fields"])) if rows and i == 0 else ("", ())
         try:
-            child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i]))
+            child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved))
         except OSError:
             continue  # it is dying: its successor starts from the state in its spec

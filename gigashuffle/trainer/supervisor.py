@@ -61,6 +61,8 @@ from gigashuffle.procs.messages import (
     FreeSlot,
     Go,
     PassEnd,
+    Pause,
+    Paused,
     Progress,
     Rejoin,
     RingReady,
@@ -112,6 +114,8 @@ class Supervisor:
         self.ready: deque[tuple[ChildProcess, int]] = deque()
         self.dropped = DroppedBatches()
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
+        self.paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
+        self.cutting = False  # a checkpoint's cut is on: children started now start paused
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
         self.closed = False
@@ -163,7 +167,7 @@ class Supervisor:
             stateful=self.stateful,
             skip=skip,
             serial=serial,
-            go=self.go,
+            go=self.go and not self.cutting,
         )
         try:
             return dumps_by_value(spec)
@@ -178,6 +182,8 @@ class Supervisor:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._spec(role, index), title)
+        if role == "reader" and self.cutting:
+            channel.send(Pause())  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
     # -- the message pump ------------------------------------------------------------------------------------
@@ -241,6 +247,8 @@ class Supervisor:
             child.error_type, child.traceback_text = message.type_name, message.traceback
         elif isinstance(message, DatasetState):
             self.states[message.index] = message
+        elif isinstance(message, Paused):
+            self.paused.add(child.seq)
         elif isinstance(message, PassEnd):
             self.passes_ended.add(message.number)
         else:
