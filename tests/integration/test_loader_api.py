@@ -148,7 +148,7 @@ def test_load_state_dict_refuses_another_world_size_across_loaders(redis_url: st
 
 def test_state_dict_needs_a_stateful_dataset(redis_url: str) -> None:
     with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, "nostate")) as loader:
-        with pytest.raises(CheckpointError, match="state_dict: the dataset UniqueIds .* has no state_dict"):
+        with pytest.raises(CheckpointError, match=r"state_dict: the dataset UniqueIds .* has no state_dict"):
             loader.state_dict()
         with pytest.raises(CheckpointError, match="load_state_dict: the dataset UniqueIds"):
             loader.load_state_dict({"rank0": {"global_rank": 0, "global_world_size": 1, "num_writers": 1,
