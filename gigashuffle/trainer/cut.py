@@ -20,8 +20,8 @@ dataset's rows) before it reads its dataset on, and every writer reads on from i
 row not handed to the trainer before ``state_dict()`` comes back once, in a new random order, and none handed
 before it comes back. Batches handed out before the call count as consumed, whether or not the step that took
 them finished. Exact for one rank per node (``local_world_size == 1``) that evicts on read (the default): with
-several ranks on a node the other ranks' readers and writers are not paused while this rank copies the buffer, so
-each rank saves only its own undelivered batches and its writers' states, and the buffer's rows are saved by none
+several ranks on a node the other ranks' readers and writers would not be paused while this rank copied the buffer, so
+each rank saves only its writers' states (unpaused), and no undelivered row is saved
 (up to ``shuffle_size`` rows are skipped by a resume, as without this cut).
 Today's figures: see docs/benchmarks.md (``python -m gigashuffle.tools.bench.checkpoint``).
 """
