@@ -58,6 +58,10 @@ class ChildSpec:
     skip: int = 0  # rows after dataset_state (or the dataset's initial state) already written: skip them
     serial: int = 0  # the serial of the state this writer starts from
     go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
+    saved_rows: tuple[str, tuple[Any, ...]] = (
+        "",
+        (),
+    )  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

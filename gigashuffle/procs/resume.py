@@ -4,7 +4,8 @@ NOTE [ Respawned writers ]
 A writer of a stateful dataset (``state_dict``/``load_state_dict``) counts its stream: ``produced`` rows taken from
 the dataset since the state it started from (serial ``serial``: each ``load_state_dict`` or respawn starts a new
 one). Two records let the trainer find, after the writer died, exactly where its committed rows end:
-  * the commit counter: 16 bytes of shared memory (``[serial, committed]``) whose memfd the writer sends with
+  * the commit counter: 24 bytes of shared memory (``[serial, committed, restored]``; the last counts a
+    checkpoint's saved rows put back, NOTE [ Checkpoint cut ]) whose memfd the writer sends with
     ``Attached``; ``PendingRows`` adds each commit's row count right after the commit, under the lock that
     serializes the writer's two publishing threads, so commits land in stream order;
   * ``Progress(serial, produced, state)``: the dataset's ``state_dict()`` taken just before a chunk is fetched,
@@ -43,7 +44,7 @@ from gigashuffle.shm.buffer import SharedMemory
 
 # How often a writer of a stateful dataset reports its dataset's state (NOTE [ Respawned writers ]).
 REPORT_PERIOD_S = 0.05
-COUNTER_BYTES = 16  # int64 [serial, committed]
+COUNTER_BYTES = 24  # int64 [serial, committed, restored]
 
 
 class StreamPosition:
@@ -67,7 +68,7 @@ class StreamPosition:
         if stateful:
             self.memory = SharedMemory(COUNTER_BYTES, name="gigashuffle-commits")
             self.counter = np.frombuffer(self.memory.numpy_view(0, COUNTER_BYTES), dtype=np.int64)
-        self.counter[:] = (serial, skip)
+        self.counter[:] = (serial, skip, 0)
 
     def fds(self) -> tuple[int, ...]:
         return () if self.memory is None or self.memory.fd is None else (self.memory.fd,)
@@ -76,12 +77,16 @@ class StreamPosition:
         """``rows`` more rows of the stream are full in the buffer (called under the publishing lock)."""
         self.counter[1] += rows
 
+    def committed_saved(self, rows: int) -> None:
+        """``rows`` more of a checkpoint's saved rows are full in the buffer again (NOTE [ Checkpoint cut ])."""
+        self.counter[2] += rows
+
     def restart(self, state: Any, skip: int, serial: int) -> None:
         """A new base: ``state`` was loaded; its first ``skip`` rows are written already. Pending rows of the old
         stream must be published before."""
         self.serial, self.produced, self.skip_left, self.base_state = serial, 0, skip, state
         self.chunk_state, self.done, self.started = state, None, False
-        self.counter[:] = (serial, skip)
+        self.counter[:] = (serial, skip, 0)
         self._report_due = 0.0
 
     def before_fetch(self, dataset: Any, channel: Channel) -> None:
@@ -126,9 +131,15 @@ class StreamPosition:
             self.memory.close()
 
 
-def initial_position(dataset: Any, stateful: bool, state: Any, skip: int, serial: int) -> StreamPosition:
-    """Load ``state`` (None: the dataset as pickled) and note it as the stream's base."""
+def initial_position(
+    dataset: Any, stateful: bool, state: Any, skip: int, serial: int, saved: tuple[str, tuple[Any, ...]]
+) -> StreamPosition:
+    """Load ``state`` (None: the dataset as pickled) and note it as the stream's base; ``saved``: a checkpoint's
+    rows its predecessor had not put back yet (layout JSON, fields)."""
     if state is not None:
         dataset.load_state_dict(state)
     base = copy.deepcopy(dataset.state_dict()) if stateful and state is None else state
-    return StreamPosition(stateful, serial, skip, base)
+    position = StreamPosition(stateful, serial, skip, base)
+    if saved[1]:
+        position.restore_rows = saved
+    return position

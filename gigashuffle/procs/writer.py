@@ -229,7 +229,9 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     _set_worker_info(spec)
     if spec.has_context:
         spec.dataset.context = spec.context
-    position = initial_position(spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial)
+    position = initial_position(
+        spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows
+    )
     env = ChildEnv(spec, channel)
     try:
         _run(spec, env, position)
@@ -363,8 +365,8 @@ def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, 
             f"[{layout.describe()}]; resume with the dataset (fields, dtypes, row shapes) that wrote the checkpoint"
         )
     rows = int(fields[0].shape[0]) if fields else 0
-    pending.publish()  # rows of the stream so far are counted as such
-    counted, pending.on_commit = pending.on_commit, None
+    pending.publish()  # rows of the stream so far are counted as such; the saved ones apart, for a successor
+    counted, pending.on_commit = pending.on_commit, position.committed_saved
     serial = position.serial
     try:
         write(list(fields), rows, 0, saved=True)

@@ -104,11 +104,12 @@ def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) ->
     """Check ``state`` against this rank's layout, then send each writer its own state; a writer started later
     (a respawn) gets it in its spec."""
     mine = own_part(config, state)
-    serials = sup.load_states(mine["writers"], mine["skip"])
     rows = mine["rows"]
+    restored: tuple[str, tuple[Any, ...]] = (rows["layout"], tuple(rows["fields"])) if rows else ("", ())
+    serials = sup.load_states(mine["writers"], mine["skip"], restored)
     for child in sup.writers():
         i = child.index
-        saved = (rows["layout"], tuple(rows["fields"])) if rows and i == 0 else ("", ())
+        saved = restored if i == 0 else ("", ())
         try:
             child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved))
         except OSError:

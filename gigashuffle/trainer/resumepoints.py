@@ -30,6 +30,7 @@ class _Writer:
     skip: int = 0
     reports: deque[Progress] = field(default_factory=lambda: deque(maxlen=_KEPT_REPORTS))
     counter: SharedMemory | None = None
+    saved: tuple[str, tuple[Any, ...]] = ("", ())  # a checkpoint's rows this writer puts back (NOTE [ Checkpoint cut ])
 
 
 class ResumePoints:
@@ -37,16 +38,18 @@ class ResumePoints:
         self._writers = [_Writer() for _ in range(num_writers)]
         self._serials = itertools.count(1)
 
-    def start_of(self, index: int) -> tuple[Any, int, int]:
-        """(state, skip, serial) a writer started now starts from."""
+    def start_of(self, index: int) -> tuple[Any, int, int, tuple[str, tuple[Any, ...]]]:
+        """(state, skip, serial, saved rows) a writer started now starts from."""
         w = self._writers[index]
-        return w.state, w.skip, w.serial
+        return w.state, w.skip, w.serial, w.saved
 
-    def load(self, states: list[Any], skips: list[int]) -> list[int]:
-        """``load_state_dict``: each writer starts a new stream; returns the serials to send with the states."""
+    def load(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
+        """``load_state_dict``: each writer starts a new stream, writer 0 puts ``saved`` back first; returns the
+        serials to send with the states."""
         serials = []
-        for w, state, skip in zip(self._writers, states, skips, strict=True):
+        for i, (w, state, skip) in enumerate(zip(self._writers, states, skips, strict=True)):
             w.serial, w.state, w.skip = next(self._serials), state, skip
+            w.saved = saved if i == 0 else ("", ())
             w.reports.clear()
             serials.append(w.serial)
         return serials
@@ -72,10 +75,15 @@ class ResumePoints:
         """The writer died: where its successor starts (NOTE [ Respawned writers ])."""
         w = self._writers[index]
         if w.counter is not None:
-            serial, committed = (int(v) for v in np.frombuffer(w.counter.numpy_view(0, COUNTER_BYTES), np.int64))
+            serial, committed, restored = (
+                int(v) for v in np.frombuffer(w.counter.numpy_view(0, COUNTER_BYTES), np.int64)
+            )
             w.counter.close()
             w.counter = None
             if serial == w.serial:  # else it died before it applied the last load_state_dict: start from that
+                layout_json, fields = w.saved
+                left = tuple(f[restored:] for f in fields)
+                w.saved = (layout_json, left) if left and len(left[0]) else ("", ())
                 best = max((r for r in w.reports if r.produced <= committed), key=lambda r: r.produced, default=None)
                 if best is not None:
                     w.state, w.skip = best.state, committed - best.produced

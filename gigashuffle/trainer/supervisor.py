@@ -148,7 +148,7 @@ class Supervisor:
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: str, index: int) -> bytes:
         has_context, context = self.context
-        state, skip, serial = self.resume.start_of(index) if role == "writer" else (None, 0, 0)
+        state, skip, serial, saved = self.resume.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -168,6 +168,7 @@ class Supervisor:
             skip=skip,
             serial=serial,
             go=self.go and not self.cutting,
+            saved_rows=saved,
         )
         try:
             return dumps_by_value(spec)
@@ -416,10 +417,11 @@ class Supervisor:
             self.go = True
             self.send_to_writers(Go())
 
-    def load_states(self, states: list[Any], skips: list[int]) -> list[int]:
-        """``load_state_dict``: writers started from now on start from these; returns the states' serials."""
+    def load_states(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
+        """``load_state_dict``: writers started from now on start from these (writer 0 puts ``saved``, a
+        checkpoint's rows, back first); returns the states' serials."""
         self.go = True
-        return self.resume.load(states, skips)
+        return self.resume.load(states, skips, saved)
 
     def send_to_writers(self, message: ToChild) -> None:
         payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
