@@ -51,7 +51,8 @@ def exact(config: DataloaderConfig) -> bool:
 
 def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[list[DatasetState], dict[str, Any]]:
     """Pause this rank's writers and readers, read their states and the undelivered rows, resume them."""
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     pause = exact(config)
     sup.cutting = pause
     try:
@@ -72,6 +73,7 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
                     continue  # dying: its successor starts unpaused
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
+        sup.last_cut_s = time.monotonic() - started
 
 
 def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool) -> list[DatasetState]:

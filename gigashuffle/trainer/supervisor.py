@@ -116,6 +116,7 @@ class Supervisor:
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self.paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
         self.cutting = False  # a checkpoint's cut is on: children started now start paused
+        self.last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
         self.closed = False

@@ -5,8 +5,8 @@ segment builds the loader, loads ``--resume`` right after construction (as READM
 ``--before`` batches writing each row's id and pass to ``<out>.before``, takes ``loader.state_dict()`` into
 ``--save`` (torch.save), reads ``--after`` more batches (``<out>.after``, not counted: the job "crashes" before
 its next checkpoint) and SIGKILLs itself. With ``--kill-writer-at N`` it SIGKILLs writer 0 after N batches.
-``--before 0 --drain-past P``: the last segment, reading until ``P`` rows of later passes came (so that no row of
-pass 0 still owed can be missed); everything it reads counts.
+``--before 0 --drain-past P``: the last segment, reading until ``P`` rows of later passes came from each writer
+(so that no row of pass 0 still owed can be missed); everything it reads counts.
 
 It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
 """
@@ -81,11 +81,11 @@ def main() -> None:
     it = iter(loader)
     with open(args.out + ".before", "w") as before:
         if args.before == 0:  # the last segment: read well past the end of pass 0, so that no row owed is missed
-            later = 0
-            while later < args.drain_past and time.monotonic() < deadline:
+            later = [0, 0]  # rows of later passes, per writer: a writer that starts late is waited for
+            while min(later) < args.drain_past and time.monotonic() < deadline:
                 for i, ps in _record(next(it)):
                     before.write(f"{i} {ps}\n")
-                    later += ps > 0
+                    later[i // STRIDE] += ps > 0
             before.flush()
             loader.close()
             return

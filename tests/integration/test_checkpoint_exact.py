@@ -47,7 +47,7 @@ def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1) -> tuple[i
         assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _read(tmp / f"seg{seg}.before")
         ckpt = str(save)
-    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--drain-past", str(20 * SHUFFLE))
+    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--drain-past", str(10 * SHUFFLE))
     counted += _read(tmp / "last.before")
     assert "Traceback" not in log, log
     seen = collections.Counter(i for i, ps in counted if ps == 0)
