@@ -145,7 +145,8 @@ def main() -> None:
             loader.load_state_dict(state["loader"])
             first_step = state["step"]
             say(f"resumed at step {first_step} from {checkpoint}")
-        # Tell the writers the epoch at once: the buffer starts filling while the trainer warms up.
+        # Tell the writers the epoch before their first rows (a stateful dataset's writers hold until the first
+        # batch or load_state_dict: NOTE [ Restore before reading ]).
         loader.attach_training_context({"epoch": first_step // args.steps_per_epoch})
 
         # Warm-up on a dummy batch (copies of the first row; nothing is consumed from the buffer): DDP builds its
@@ -187,7 +188,11 @@ def main() -> None:
             "step": first_step + args.steps,
         }
         torch.save(state, checkpoint)
-        say(f"checkpoint {checkpoint} (one per rank); loader state of rank 0: {state['loader']}")
+        part = state["loader"][f"rank{rank}"]
+        say(
+            f"checkpoint {checkpoint} (one per rank); loader state of rank {rank}: writers {part['writers']}, "
+            f"skip {part['skip']}, {len(part['rows']['fields'][0]) if part['rows'] else 0} unconsumed rows saved"
+        )
         dist.barrier()  # every rank is done with its loader: close together
 
     held_out_loss, accuracy = evaluate(model.module, args.classes, args.dim)

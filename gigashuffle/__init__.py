@@ -9,6 +9,7 @@ from gigashuffle._version import __version__
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import (
     AttachError,
+    CheckpointError,
     ConfigMismatchError,
     GigashuffleError,
     NodeLockBusy,
@@ -64,6 +65,7 @@ __all__ = [
     "INDEX_KEY",
     "AttachError",
     "Buffer",
+    "CheckpointError",
     "ConfigMismatchError",
     "DataloaderConfig",
     "GigashuffleError",

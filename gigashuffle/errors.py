@@ -107,3 +107,8 @@ class NodeLockBusy(GigashuffleError):
 
 class ConfigMismatchError(GigashuffleError, ValueError):
     """Two loaders on one queue and node disagree on a setting that must be shared (bs, shuffle_size, ...)."""
+
+
+class CheckpointError(GigashuffleError, ValueError):
+    """A checkpoint cannot be taken or loaded: a dataset without ``state_dict``/``load_state_dict``, a checkpoint
+    of another rank layout, or writers that did not answer in time. The message names what differs and the fix."""

@@ -18,7 +18,7 @@ from gigashuffle.control import dummyrow
 from gigashuffle.control.client import Client
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.link import ControlLink
-from gigashuffle.errors import GigashuffleError
+from gigashuffle.errors import CheckpointError, GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
 from gigashuffle.host.secret import node_secret
@@ -26,6 +26,7 @@ from gigashuffle.procs.messages import SetContext, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
+from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer import datasetstate, pinning, progress
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -68,7 +69,8 @@ class MultiprocessShuffledDataloader:
         link = ControlLink.open(config)
         self.redis_url = link.url
         try:
-            self._sup = Supervisor(config, dataset, link, str(directory))
+            stateful = missing_state_methods(dataset) is None
+            self._sup = Supervisor(config, dataset, link, str(directory), stateful=stateful)
         except BaseException:
             link.close()
             raise
@@ -91,6 +93,7 @@ class MultiprocessShuffledDataloader:
                 "a loader with num_readers >= 1 (on this rank or another of the node). get_dummy_batch(), stats() "
                 "and state_dict() work here."
             )
+        self._sup.say_go()  # NOTE [ Restore before reading ] in procs/resume.py
         if self.config.fill_once:
             return self._one_pass()
         return self._stream()
@@ -134,6 +137,7 @@ class MultiprocessShuffledDataloader:
     def _next_batch(self) -> Batch:
         sup = self._sup
         self._check_open()
+        sup.say_go()
         # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
         # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
         # [ Batched frees ]).
@@ -287,18 +291,41 @@ class MultiprocessShuffledDataloader:
         self._sup.send_to_writers(SetContext(context))
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataset's state in every writer of this rank (``dataset.state_dict()``), for checkpoints."""
+        """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
+        (NOTE in trainer/datasetstate.py). The dicts of all ranks merge with ``dict.update``; a writer that is dead
+        or being started again is waited for (up to a minute), never a crash."""
         self._check_open()
-        if not callable(getattr(self.dataset, "state_dict", None)):
-            raise TypeError(f"{type(self.dataset).__name__} has no state_dict(); implement state_dict/load_state_dict")
+        self._require_state_methods("state_dict")
         return datasetstate.collect(self._sup, self.config)
 
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
+        collective, so every rank must call it), for frameworks that save the loader's state from rank 0 only."""
+        mine = self.state_dict()
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return mine
+        parts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, mine)
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the datasets of this rank's writers from ``state_dict()`` output of the same rank layout."""
+        """Restore this rank's writers from its part, ``state[f"rank{global_rank}"]``, of a checkpoint of the same
+        rank layout (merged or not). Called before the first batch, no row of the dataset is read before it (NOTE
+        [ Restore before reading ] in procs/resume.py)."""
         self._check_open()
-        if not callable(getattr(self.dataset, "load_state_dict", None)):
-            raise TypeError(f"{type(self.dataset).__name__} has no load_state_dict(); implement it to resume")
+        self._require_state_methods("load_state_dict")
         datasetstate.restore(self._sup, self.config, state)
+
+    def _require_state_methods(self, caller: str) -> None:
+        why = missing_state_methods(self.dataset)
+        if why is not None:
+            raise CheckpointError(
+                f"{caller}: the dataset {type(self.dataset).__name__} of queue {self.config.queue_name!r} cannot be "
+                f"checkpointed: {why}"
+            )
 
     def child_pids(self, timeout_s: float = 120.0) -> dict[str, list[int]]:
         """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``). The zygote forks

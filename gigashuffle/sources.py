@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from gigashuffle.errors import CheckpointError
+
 Chunk = list[dict[str, torch.Tensor]]
 
 
@@ -129,8 +131,48 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
         self.fields = tuple(fields) if fields is not None else None
         self.transform = transform
 
+    def state_dict(self) -> Any:
+        """The source's ``state_dict()``: a chunk is stacked from samples the source has yielded, so between two
+        chunks the source's position is exactly past the last chunk (``loader.state_dict()`` asks then)."""
+        return _stateful_source(self.source).state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        """Hand ``state`` to the source; the next ``iter(self)`` reads on from there."""
+        _stateful_source(self.source).load_state_dict(state)
+
     def __iter__(self) -> Iterator[Chunk]:
         samples: Iterable[Mapping[str, Any]] = self.source
         if self.transform is not None:
             samples = map(self.transform, samples)
         return chunks(samples, self.rows, self.fields)
+
+
+def _stateful_source(source: Any) -> Any:
+    if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
+        raise CheckpointError(
+            f"Chunked: its source {type(source).__name__} has no state_dict()/load_state_dict(), so the loader "
+            "cannot checkpoint it; use a source that has them (a Hugging Face datasets IterableDataset does: "
+            "Dataset.to_iterable_dataset(num_shards=...)), or implement them on the source"
+        )
+    return source
+
+
+def missing_state_methods(dataset: Any) -> str | None:
+    """Why ``dataset`` cannot be checkpointed, in words, or None if it has ``state_dict``/``load_state_dict``."""
+    if isinstance(dataset, Chunked):
+        source = dataset.source
+        if callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None)):
+            return None
+        return (
+            f"its source {type(source).__name__} has no state_dict()/load_state_dict(); use a source that has "
+            "them (a Hugging Face datasets IterableDataset, e.g. Dataset.to_iterable_dataset(num_shards=...)), or "
+            "implement them on the source"
+        )
+    missing = [name for name in ("state_dict", "load_state_dict") if not callable(getattr(dataset, name, None))]
+    if not missing:
+        return None
+    return (
+        f"it has no {'/'.join(m + '()' for m in missing)}; implement state_dict() (the dataset's position, as "
+        "ints, strings, lists and dicts of them) and load_state_dict(state) (after which iter(dataset) reads on "
+        "from that position)"
+    )

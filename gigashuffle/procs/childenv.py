@@ -61,6 +61,15 @@ class ChildSpec:
     dataset_state: Any = None
     seed: int = 0  # the job's base seed (NOTE [ Seeds ] in procs/seeds.py)
     start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
+    # NOTE [ Respawned writers ] and [ Restore before reading ] in procs/resume.py:
+    stateful: bool = False  # the dataset has state_dict/load_state_dict: track where commits are
+    skip: int = 0  # rows after dataset_state (or the dataset's initial state) already written: skip them
+    serial: int = 0  # the serial of the state this writer starts from
+    go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
+    saved_rows: tuple[str, tuple[Any, ...]] = (
+        "",
+        (),
+    )  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

@@ -34,7 +34,19 @@ class BatchReady:
 @dataclass(frozen=True)
 class Attached:
     """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
-    (NOTE [ Rejoining ] in ``trainer/supervisor.py``)."""
+    (NOTE [ Rejoining ] in ``trainer/supervisor.py``). A writer of a stateful dataset sends the memfd of its
+    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A writer's dataset state before a chunk: ``produced`` rows of its stream (since the state it started from,
+    serial ``serial``) came before that chunk. Sent a few times a second, never per chunk: NOTE [ Respawned
+    writers ]."""
+
+    serial: int
+    produced: int
+    state: Any
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,15 @@ class DatasetState:
     request: int
     index: int
     state: Any
+    skip: int = 0  # rows after ``state`` that were already written (NOTE [ Respawned writers ])
+    # A checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ]): layout JSON, fields.
+    layout_json: str = ""
+    rows: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A reader has announced every batch it drew and draws nothing until ``Resume`` (NOTE [ Checkpoint cut ])."""
 
 
 @dataclass(frozen=True)
@@ -83,12 +104,41 @@ class SetContext:
 
 @dataclass(frozen=True)
 class LoadState:
+    """Load ``state`` into the dataset, skip the ``skip`` rows after it, and count commits under ``serial``; also
+    lets a writer that holds before its first rows go on (``Go``)."""
+
     state: Any
+    skip: int = 0
+    serial: int = 0
+    # Rows a checkpoint saved (NOTE [ Checkpoint cut ]): the layout's JSON and per field ``uint8 [n, row_bytes]``;
+    # the writer puts them back into the buffer before it reads its dataset on.
+    layout_json: str = ""
+    rows: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Go:
+    """The trainer asked for its first batch (or restored a state): a writer that holds before committing its
+    first rows goes on (NOTE [ Restore before reading ] in procs/resume.py)."""
 
 
 @dataclass(frozen=True)
 class StateRequest:
+    """Answer ``DatasetState``; with ``pause``, first publish every copied row, answer for exactly the rows in the
+    buffer, and write nothing more until ``Resume`` (NOTE [ Checkpoint cut ])."""
+
     request: int
+    pause: bool = False
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A reader finishes the draw it has begun, answers ``Paused`` and draws nothing until ``Resume``."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint's cut is over: readers draw and writers write again."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +149,8 @@ class Rejoin:
     generation: str
 
 
-ToTrainer = RingReady | Attached | BatchReady | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest | Rejoin
+ToTrainer = RingReady | Attached | Progress | BatchReady | Paused | PassEnd | DatasetState | ChildError
+ToChild = FreeSlot | StartPass | SetContext | LoadState | Go | StateRequest | Pause | Resume | Rejoin
 
 
 # -- trainer and its zygote (NOTE [ Why a zygote ] in procs/zygote.py) ------------------------------------------

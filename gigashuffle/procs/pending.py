@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 
 import numpy as np
@@ -52,13 +53,23 @@ class PendingRows:
     Use it as a context manager (or call ``close()``): leaving publishes what is still pending and stops the thread.
     """
 
-    def __init__(self, table: SlotTable, pid: int, publish_within_s: float = PUBLISH_WITHIN_S) -> None:
+    def __init__(
+        self,
+        table: SlotTable,
+        pid: int,
+        publish_within_s: float = PUBLISH_WITHIN_S,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
         self.table = table
         self.pid = pid
         self.rows = 0
         self._ids: list[SlotIds] = []
         self._oldest = 0.0  # time.monotonic() of the first pending write
         self._lock = threading.Lock()
+        # Held from taking the pending rows to counting their commit, so that the two publishing threads commit in
+        # the order the rows were written and ``on_commit`` counts them in that order (NOTE [ Respawned writers ]).
+        self._publishing = threading.Lock()
+        self.on_commit = on_commit  # told each commit's row count, in write order
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -80,9 +91,11 @@ class PendingRows:
     def publish(self) -> None:
         """Publish every pending row now."""
         self._raise_if_failed()
-        ids = self._take()
-        if len(ids):
-            self._check(self.table.commit_written(self.pid, ids), ids)
+        with self._publishing:
+            ids = self._take()
+            if len(ids):
+                self._check(self.table.commit_written(self.pid, ids), ids)
+                self._counted(len(ids))
 
     def publish_and_reserve(self, n: int, min_full: int) -> SlotIds:
         """Publish every pending row and reserve ``n`` empty slots under one hold of the lock (``commit_and_acquire``:
@@ -91,10 +104,16 @@ class PendingRows:
             self.publish()
             return NO_IDS
         self._raise_if_failed()
-        ids = self._take()
-        held, fresh = self.table.commit_and_acquire(self.pid, ids, n, min_full)
-        self._check(held, ids)
+        with self._publishing:
+            ids = self._take()
+            held, fresh = self.table.commit_and_acquire(self.pid, ids, n, min_full)
+            self._check(held, ids)
+            self._counted(len(ids))
         return fresh
+
+    def _counted(self, rows: int) -> None:
+        if rows and self.on_commit is not None:
+            self.on_commit(rows)
 
     def publish_overdue(self, age_s: float) -> None:
         """The watcher's step: publish the pending rows if the oldest has waited ``age_s``."""

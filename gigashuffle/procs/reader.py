@@ -33,7 +33,18 @@ import numpy as np
 
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
-from gigashuffle.procs.messages import BatchReady, FreeSlot, PassEnd, Rejoin, RingReady, StartPass, ToChild
+from gigashuffle.procs.messages import (
+    BatchReady,
+    FreeSlot,
+    PassEnd,
+    Pause,
+    Paused,
+    Rejoin,
+    Resume,
+    RingReady,
+    StartPass,
+    ToChild,
+)
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
@@ -105,7 +116,13 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     chores = Housekeeping(env)
     drawn: tuple[SlotIds, Versions] | None = None  # the next batches' slots, drawn with the last release
     while True:
-        _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
+        others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
+        if any(isinstance(m, Pause) for m in others):
+            if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
+                _announce(env, buffer, table, ring, free, drawn, me, evict, 0)
+                drawn = None
+            _pause(env, free)
+            continue
         chores.tick()
         if drawn is None:
             if not free:
@@ -115,19 +132,47 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
                 backoff.sleep()
                 continue
         backoff.reset()
-        slots, versions = drawn
-        ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
-        for i, k in enumerate(ring_slots):
-            _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
-        if free:
-            want = min(len(free), most) * bs
-            released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
-            drawn = (next_slots, next_versions) if len(next_slots) else None
-        else:
-            released, drawn = table.release_read(me, slots, evict), None
-        if released != len(slots):
-            raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
-        env.channel.send(BatchReady(tuple(ring_slots)))
+        want = min(len(free) - len(drawn[0]) // bs, most) * bs
+        drawn = _announce(env, buffer, table, ring, free, drawn, me, evict, want, min_full)
+
+
+def _announce(
+    env: ChildEnv,
+    buffer: SlotBuffer,
+    table: SlotTable,
+    ring: BatchRing,
+    free: deque[int],
+    drawn: tuple[SlotIds, Versions],
+    me: int,
+    evict: bool,
+    want: int,
+    min_full: int = 0,
+) -> tuple[SlotIds, Versions] | None:
+    """Gather the drawn slots into free ring slots, release them (drawing ``want`` more in the same hold of the
+    lock), announce the batches; return what was drawn next."""
+    bs = env.config.bs
+    slots, versions = drawn
+    ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
+    for i, k in enumerate(ring_slots):
+        _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
+    following: tuple[SlotIds, Versions] | None = None
+    if want > 0:
+        released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
+        following = (next_slots, next_versions) if len(next_slots) else None
+    else:
+        released = table.release_read(me, slots, evict)
+    if released != len(slots):
+        raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
+    env.channel.send(BatchReady(tuple(ring_slots)))
+    return following
+
+
+def _pause(env: ChildEnv, free: deque[int]) -> None:
+    """A checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py): every batch drawn is announced; say so and
+    draw nothing until ``Resume``."""
+    env.channel.send(Paused())
+    while not any(isinstance(m, Resume) for m in _take_frees(env, free, _IDLE_POLL_S)):
+        pass
 
 
 def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int) -> tuple[SlotIds, Versions] | None:

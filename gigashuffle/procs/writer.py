@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import get_worker_info
 
 from gigashuffle.control import dummyrow
@@ -43,8 +44,18 @@ from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import NO_CONTEXT, Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
-from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.messages import (
+    Attached,
+    DatasetState,
+    Go,
+    LoadState,
+    Rejoin,
+    Resume,
+    SetContext,
+    StateRequest,
+)
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
+from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.workerinfo import become_worker
 from gigashuffle.schema import Layout
 from gigashuffle.shm.picker import NO_IDS
@@ -68,14 +79,17 @@ class _Chunks:
     see NOTE [ Empty shares ].
     """
 
-    def __init__(self, spec: ChildSpec, env: ChildEnv) -> None:
+    def __init__(self, spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
         self.dataset = spec.dataset
         self.env = env
+        self.position = position
         self.limit = spec.config.writer_max_retries
         self._it: Iterator[Any] | None = None
         self._yielded = False  # whether the current pass has yielded any chunk
         # Called before the writer idles on an empty share: it must not keep empty slots reserved meanwhile.
         self.before_idle: Callable[[], None] = _nothing
+        # Called before a loaded state replaces the stream: rows copied from the old one are published first.
+        self.before_restart: Callable[[], None] = _nothing
 
     def restart(self) -> None:
         self._it = None
@@ -150,43 +164,69 @@ def _is_empty(chunk: Any) -> bool:
 
 
 def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
-    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state)."""
-    dataset = env.spec.dataset
+    """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state). Paused
+    by a checkpoint's cut, it returns only after ``Resume`` (NOTE [ Checkpoint cut ] in trainer/cut.py)."""
     changed = False
-    while env.channel.poll(0):
-        message, _ = env.channel.recv()
-        if isinstance(message, SetContext):
-            dataset.context = message.context
-            changed = True
-        elif isinstance(message, LoadState):
-            dataset.load_state_dict(message.state)
-            chunks.restart()
-            changed = True
-        elif isinstance(message, StateRequest):
-            env.channel.send(DatasetState(message.request, env.spec.index, dataset.state_dict()))
-        elif isinstance(message, Rejoin):
-            env.rejoin(message.generation)
-        else:
-            log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    position = chunks.position
+    while env.channel.poll(_IDLE_POLL_S if position.paused else 0) or position.paused:
+        if env.channel.poll(0):
+            message, _ = env.channel.recv()
+            changed = _apply(env, chunks, message) or changed
+        elif env.table is not None and (repaired := env.table.repair()):
+            log.info("returned %d slots of dead processes", repaired)
     return changed
+
+
+def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
+    dataset, position = env.spec.dataset, chunks.position
+    if isinstance(message, SetContext):
+        dataset.context = message.context
+        return True
+    if isinstance(message, LoadState):
+        chunks.before_restart()
+        dataset.load_state_dict(message.state)
+        chunks.restart()
+        position.restart(message.state, message.skip, message.serial)
+        position.restore_rows = (message.layout_json, message.rows) if message.rows else None
+        position.restored = 0
+        env.spec.go = True
+        return True
+    if isinstance(message, Go):
+        env.spec.go = True
+    elif isinstance(message, StateRequest):
+        if message.pause:
+            chunks.before_restart()  # every row copied is published: the cut finds it full in the buffer
+            position.paused = True
+        state, skip = position.answer(dataset)
+        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, *position.leftover()))
+    elif isinstance(message, Resume):
+        position.paused = False
+    elif isinstance(message, Rejoin):
+        env.rejoin(message.generation)
+    else:
+        log.warning("writer %d ignores an unexpected %s", env.spec.index, type(message).__name__)
+    return False
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:
     become_worker(spec.config, spec.index, spec.dataset, spec.seed, spec.start)
     if spec.context is not NO_CONTEXT:
         spec.dataset.context = spec.context
-    if spec.dataset_state is not None:
-        spec.dataset.load_state_dict(spec.dataset_state)
+    position = initial_position(
+        spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows
+    )
     env = ChildEnv(spec, channel)
     try:
-        _run(spec, env)
+        _run(spec, env, position)
     finally:
         env.close()
+        position.close()
 
 
-def _run(spec: ChildSpec, env: ChildEnv) -> None:
-    chunks = _Chunks(spec, env)
+def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
+    chunks = _Chunks(spec, env, position)
     _handle_control(env, chunks)
+    position.before_fetch(spec.dataset, env.channel)
     chunk = chunks.next()
     layout = Layout.from_chunk(chunk)
     if env.store.meta().get("layout") is None:
@@ -207,11 +247,25 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
-    env.channel.send(Attached())
+    env.channel.send(Attached(), position.fds())
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
         dummyrow.publish_row(env.store, env.secret, spec.generation, *env.dummy_row, env.proc)
+    if not _hold(env, chunks):
+        chunk = None  # a state was loaded: the chunk taken for the layout is not part of the stream any more
     _write_forever(env, chunks, chunk, layout)
+
+
+def _hold(env: ChildEnv, chunks: _Chunks) -> bool:
+    """Wait for ``Go`` or ``LoadState`` before committing any row (NOTE [ Restore before reading ] in
+    procs/resume.py); False if a state was loaded meanwhile."""
+    serial = chunks.position.serial
+    chores = Housekeeping(env)
+    while not env.spec.go:
+        if env.channel.poll(_IDLE_POLL_S):
+            _handle_control(env, chunks)
+        chores.tick()
+    return chunks.position.serial == serial
 
 
 def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
@@ -224,22 +278,33 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
     control_due = 0.0  # when the trainer's messages are next read between chunks
-    with PendingRows(table, me) as pending:
+    position, dataset = chunks.position, env.spec.dataset
+    on_commit = position.committed if position.stateful else None  # NOTE [ Respawned writers ]
+    with PendingRows(table, me, on_commit=on_commit) as pending:
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
             pending.publish()
             reserved.give_back()
 
         chunks.before_idle = before_idle
-        while True:
-            rows, as_bytes = layout.rows_in(chunk)
-            done = 0
+        chunks.before_restart = pending.publish
+
+        def write(as_bytes: list[torch.Tensor], rows: int, done: int, saved: bool = False) -> None:
+            """Copy rows ``done:`` into slots, serving the trainer while no slot is empty; ``saved``: they are a
+            checkpoint's saved rows (position.restored counts them), else the chunk's (position.done)."""
+            serial = position.serial
             while done < rows:
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
                     reserved.add(table.acquire_empty(me, rows - done))
                     if not reserved.held():
+                        if saved:
+                            position.restored = done
+                        else:
+                            position.done = done
                         _handle_control(env, chunks)
+                        if position.serial != serial:
+                            return  # a state was loaded: the rest of these rows is not part of the stream
                         chores.tick()
                         backoff.sleep()
                         continue
@@ -248,6 +313,16 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 buffer.write(slots, as_bytes, done)
                 done += len(slots)
                 pending.add(slots)
+
+        while True:
+            if position.restore_rows is not None:
+                _write_back(position, layout, pending, write)
+            if chunk is None:
+                position.before_fetch(dataset, env.channel)
+                chunk = chunks.next()
+            rows, as_bytes = layout.rows_in(chunk)
+            write(as_bytes, rows, position.take(rows))
+            position.done = None
             per_commit = rows_per_commit(rows, buffer.slots)
             if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
                 reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))
@@ -256,7 +331,34 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 control_due = now + _CONTROL_PERIOD_S
                 chores.tick()
                 _handle_control(env, chunks)
-            chunk = chunks.next()
+            chunk = None
+
+
+def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, write: Callable[..., None]) -> None:
+    """Put a checkpoint's saved rows back into the buffer (NOTE [ Checkpoint cut ] in trainer/cut.py), published
+    and not counted as rows of the dataset's stream. A cut meanwhile gets the rows not yet copied back with this
+    writer's answer (``position.leftover()``)."""
+    if position.restore_rows is None:
+        return
+    layout_json, fields = position.restore_rows
+    saved = Layout.from_json(layout_json)
+    if saved != layout:
+        raise SchemaError(
+            f"the checkpoint's saved rows have layout [{saved.describe()}] but this queue's buffer has "
+            f"[{layout.describe()}]; resume with the dataset (fields, dtypes, row shapes) that wrote the checkpoint"
+        )
+    rows = int(fields[0].shape[0]) if fields else 0
+    pending.publish()  # rows of the stream so far are counted as such; the saved ones apart, for a successor
+    counted, pending.on_commit = pending.on_commit, position.committed_saved
+    serial = position.serial
+    try:
+        write(list(fields), rows, 0, saved=True)
+        pending.publish()
+    finally:
+        pending.on_commit = counted
+    if position.serial == serial:  # else a new state (with its own rows, maybe) came meanwhile
+        position.restore_rows, position.restored = None, 0
+        log.info("wrote back %d rows saved by the checkpoint", rows)
 
 
 class _Reservation:

@@ -451,6 +451,11 @@ class SlotTable:
         finally:
             self._release()
 
+    def full_ids(self, wait_s: float | None = None) -> SlotIds:
+        """The slots that are full right now (a checkpoint's copy of the buffer: NOTE [ Checkpoint cut ])."""
+        with self._locked(wait_s):
+            return np.flatnonzero(self.state == FULL)
+
     def close(self) -> None:
         """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
         self._lock.close()

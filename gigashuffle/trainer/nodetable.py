@@ -21,7 +21,7 @@ from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verifie
 from gigashuffle.errors import AttachError, GigashuffleError
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.childenv import fetch_node_fds
-from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class TableView:
         self._session = session
         self._secret = node_secret(runtime_path)
         self._table: SlotTable | None = None
+        self._buffer: SlotBuffer | None = None  # mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ])
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned
 
     @property
@@ -59,6 +60,19 @@ class TableView:
             self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
             self._keep_meta()
         return self._table
+
+    def rows(self) -> SlotBuffer:
+        """The node's buffer itself, mapped on first use: the trainer reads rows from it only for a checkpoint."""
+        if self._buffer is None:
+            store = self._session.store
+            meta = store.meta()
+            layout = verified_layout(self._secret, store.generation, meta, self._config.queue_name)
+            buffer_fd, table_fd = fetch_node_fds(store, self._config.queue_name, self._config.redis_timeout_s)
+            os.close(table_fd)
+            nbytes = int(meta["nbytes"])
+            self._buffer = SlotBuffer(layout, self._config.shuffle_size, SharedMemory(nbytes, buffer_fd))
+            self._buffer.memory.close_fd()
+        return self._buffer
 
     def counts(self) -> NodeCounts | None:
         """The table's counts for the heartbeat (its thread; the table locks against ours)."""
@@ -90,6 +104,9 @@ class TableView:
         self._meta_fields = unsigned_fields(meta)
 
     def close(self) -> None:
+        if self._buffer is not None:
+            self._buffer.memory.close()
+            self._buffer = None
         if self._table is not None:
             self._table.close()
             self._table = None

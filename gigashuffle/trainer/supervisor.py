@@ -78,7 +78,11 @@ from gigashuffle.procs.messages import (
     ChildError,
     DatasetState,
     FreeSlot,
+    Go,
     PassEnd,
+    Pause,
+    Paused,
+    Progress,
     Rejoin,
     RingReady,
     Role,
@@ -94,6 +98,7 @@ from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer.dropped import DroppedBatches
 from gigashuffle.trainer.nodetable import TableView
+from gigashuffle.trainer.resumepoints import ResumePoints
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,7 @@ class Supervisor:
         dataset: Any,
         link: ControlLink,
         runtime_dir: str,
+        stateful: bool = False,
     ) -> None:
         self.config = config
         self.dataset = dataset
@@ -116,6 +122,11 @@ class Supervisor:
         self.client = link.client
         self.redis_url = link.url
         session = self.session = link.session
+        # A stateful dataset's writers track their commits and hold before reading until ``say_go()`` (NOTE
+        # [ Respawned writers ] and [ Restore before reading ] in procs/resume.py); a feed-only rank never asks.
+        self.stateful = stateful
+        self.go = not stateful or config.num_readers == 0
+        self.resume = ResumePoints(config.num_writers)
         self.runtime_dir = runtime_dir
         self.runtime_path = Path(runtime_dir)
         self.children: list[ChildProcess] = []
@@ -123,12 +134,14 @@ class Supervisor:
         self.dropped = DroppedBatches()
         self.on_ring: Callable[[BatchRing], None] = _no_placement  # a reader's ring arrived (the loader pins it)
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
+        self.paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
+        self.cutting = False  # a checkpoint's cut is on: children started now start paused
+        self.last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
         self.context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
-        self.dataset_states: list[Any] | None = None
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
@@ -159,6 +172,7 @@ class Supervisor:
 
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: Role, index: int) -> bytes:
+        state, skip, serial, saved = self.resume.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -170,9 +184,14 @@ class Supervisor:
             runtime_dir=self.runtime_dir,
             dataset=self.dataset if role == "writer" else None,
             context=self.context,
-            dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
+            dataset_state=state,
             seed=self.seed,
             start=start,
+            stateful=self.stateful,
+            skip=skip,
+            serial=serial,
+            go=self.go and not self.cutting,
+            saved_rows=saved,
         )
         try:
             return dumps_by_value(spec)
@@ -187,6 +206,8 @@ class Supervisor:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._spec(role, index), title)
+        if role == "reader" and self.cutting:
+            channel.send(Pause())  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
     # -- the message pump ------------------------------------------------------------------------------------
@@ -242,11 +263,17 @@ class Supervisor:
             self.on_ring(child.ring)
             self._on_attached(child)
         elif isinstance(message, Attached):
+            if child.role == "writer":
+                self.resume.on_attached(child.index, fds)
             self._on_attached(child)
+        elif isinstance(message, Progress):
+            self.resume.on_report(child.index, message)
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
         elif isinstance(message, DatasetState):
             self.states[message.index] = message
+        elif isinstance(message, Paused):
+            self.paused.add(child.seq)
         elif isinstance(message, PassEnd):
             self.passes_ended.add(message.number)
         else:
@@ -272,6 +299,8 @@ class Supervisor:
             remove_socket(attach_socket_path(child.pid, self.runtime_path))
         if self.closed:
             return
+        if child.role == "writer" and self.stateful:
+            self.resume.on_death(child.index)  # before the repair: its successor starts after its last commit
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
@@ -405,6 +434,18 @@ class Supervisor:
     def readers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
+    def say_go(self) -> None:
+        """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going."""
+        if not self.go:
+            self.go = True
+            self.send_to_writers(Go())
+
+    def load_states(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
+        """``load_state_dict``: writers started from now on start from these (writer 0 puts ``saved``, a
+        checkpoint's rows, back first); returns the states' serials."""
+        self.go = True
+        return self.resume.load(states, skips, saved)
+
     def send_to_writers(self, message: ToChild) -> None:
         payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
         for child in self.writers():
@@ -435,6 +476,7 @@ class Supervisor:
             except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
                 log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
         self.node_table.close()
+        self.resume.close()
         self.link.close()
         log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())
 

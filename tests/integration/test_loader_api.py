@@ -35,6 +35,7 @@ from datasets import (
 
 from gigashuffle import (
     INDEX_KEY,
+    CheckpointError,
     ConfigMismatchError,
     DataloaderConfig,
     GigashuffleError,
@@ -99,9 +100,11 @@ def test_state_dict_resumes_each_writer_where_it_was(redis_url: str) -> None:
     with MultiprocessShuffledDataloader(Counter(chunk=8), cfg) as loader:
         rows = _rows(take(iter(loader), 20))
         state = loader.state_dict()
-    assert state["global_rank"] == 0 and state["global_world_size"] == 1 and state["num_writers"] == 2
-    assert len(state["writers"]) == 2
-    positions = [w["pos"] for w in state["writers"]]
+    assert list(state) == ["rank0"], "the state is keyed by global rank"
+    mine = state["rank0"]
+    assert mine["global_rank"] == 0 and mine["global_world_size"] == 1 and mine["num_writers"] == 2
+    assert len(mine["writers"]) == 2 and mine["skip"] == [0, 0]
+    positions = [w["pos"] for w in mine["writers"]]
     assert sum(positions) >= len(rows)  # rows read <= rows generated
     for writer, counter in rows:
         assert counter < positions[writer], "the state counts every row already produced"
@@ -112,7 +115,7 @@ def test_state_dict_resumes_each_writer_where_it_was(redis_url: str) -> None:
         assert after
         for writer, counter in after:
             assert counter >= positions[writer], f"writer {writer} restarted below its checkpoint {positions}"
-        again = resumed.state_dict()
+        again = resumed.state_dict()["rank0"]
         assert all(a["pos"] >= p for a, p in zip(again["writers"], positions, strict=True))
 
 
@@ -120,11 +123,15 @@ def test_load_state_dict_refuses_another_world_size(redis_url: str) -> None:
     cfg = _config(redis_url, "state-ws")
     with MultiprocessShuffledDataloader(Counter(), cfg) as loader:
         state = loader.state_dict()
-        assert len(state["writers"]) == 1
+        assert len(state["rank0"]["writers"]) == 1
         for key, value in (("global_world_size", 2), ("num_writers", 2), ("global_rank", 1)):
-            with pytest.raises(ValueError, match=key):
-                loader.load_state_dict({**state, key: value})
-        loader.load_state_dict(state)  # the right one is accepted
+            with pytest.raises(CheckpointError, match=key):
+                loader.load_state_dict({"rank0": {**state["rank0"], key: value}})
+        with pytest.raises(CheckpointError, match=r"no entry 'rank0'.*global rank 0 of 1.*\['rank1'\]"):
+            loader.load_state_dict({"rank1": state["rank0"]})
+        with pytest.raises(CheckpointError, match="skip"):
+            loader.load_state_dict({"rank0": {**state["rank0"], "skip": [-1]}})
+        loader.load_state_dict({"rank7": {}, **state})  # the right one is accepted, from a merged dict
         take(iter(loader), 1)
 
 
@@ -133,16 +140,20 @@ def test_load_state_dict_refuses_another_world_size_across_loaders(redis_url: st
     with MultiprocessShuffledDataloader(Counter(), _config(redis_url, "ws1")) as one:
         state = one.state_dict()
     cfg2 = _config(redis_url, "ws2", global_world_size=2, global_rank=0, local_world_size=1)
-    with MultiprocessShuffledDataloader(Counter(), cfg2) as two, pytest.raises(ValueError, match="global_world_size"):
+    with (
+        MultiprocessShuffledDataloader(Counter(), cfg2) as two,
+        pytest.raises(CheckpointError, match="global_world_size"),
+    ):
         two.load_state_dict(state)
 
 
 def test_state_dict_needs_a_stateful_dataset(redis_url: str) -> None:
     with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, "nostate")) as loader:
-        with pytest.raises(TypeError, match="state_dict"):
+        with pytest.raises(CheckpointError, match=r"state_dict: the dataset UniqueIds .* has no state_dict"):
             loader.state_dict()
-        with pytest.raises(TypeError, match="load_state_dict"):
-            loader.load_state_dict({"global_rank": 0, "global_world_size": 1, "num_writers": 1, "writers": [{}]})
+        with pytest.raises(CheckpointError, match="load_state_dict: the dataset UniqueIds"):
+            loader.load_state_dict({"rank0": {"global_rank": 0, "global_world_size": 1, "num_writers": 1,
+                                              "writers": [{}]}})  # fmt: skip
         check_unique_batch(take(iter(loader), 1)[0], 4, 64)
 
 

@@ -186,9 +186,9 @@ def test_a_writer_whose_share_is_empty_idles_instead_of_failing(redis_url: str, 
             assert {int(w) for w in writer_of(torch.tensor(check_unique_batch(batch, 4, 32)))} == {0}
         assert {w: n for w, n in passes_by_worker(passes).items() if w in idle} == idle, "idle writers kept trying"
         assert len(loader.child_pids()["writer"]) == 3
-        state = loader.state_dict()
+        state = loader.state_dict()["rank0"]
         assert state["writers"] == [{"resumed": 0}] * 3, "idle writers must still answer state_dict"
-        loader.load_state_dict({**state, "writers": [{"resumed": 1}] * 3})
+        loader.load_state_dict({"rank0": {**state, "writers": [{"resumed": 1}] * 3}})
         again = {1: 2 * (retries + 1), 2: 2 * (retries + 1)}
         wait_for(lambda: {w: n for w, n in passes_by_worker(passes).items() if w in again} == again,
                  "idle writers to try their dataset again after load_state_dict")  # fmt: skip
@@ -209,8 +209,8 @@ def test_a_writer_reserves_its_next_chunk_while_its_source_waits_and_gives_the_s
         wait_for(lambda: loader.stats() == ShuffleBufferStats(full=12, empty=48, in_flight=4),
                  "3 chunks published and 4 slots reserved for the 4th")  # fmt: skip
         # The writer is parked in the source, so it cannot answer state_dict(): the state is built by hand.
-        loader.load_state_dict({"global_world_size": 1, "num_writers": 1, "global_rank": 0,
-                                "writers": [{"resumed": 1}]})  # fmt: skip
+        loader.load_state_dict({"rank0": {"global_world_size": 1, "num_writers": 1, "global_rank": 0,
+                                          "writers": [{"resumed": 1}]}})  # fmt: skip
         allowed.write_text("4")  # the 4th chunk goes into the reservation; then its share is empty
         wait_for(lambda: loader.stats() == ShuffleBufferStats(full=16, empty=48, in_flight=0),
                  "the 4th chunk published and the next reservation given back")  # fmt: skip

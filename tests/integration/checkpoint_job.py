@@ -1,0 +1,110 @@
+"""One segment of the exact-checkpoint scenario (tests/integration/test_checkpoint_exact.py), run as its own process.
+
+The dataset is finite: ``--ids`` unique ids per writer per pass, ``state_dict()`` = its position (pass, pos). A
+segment builds the loader, loads ``--resume`` right after construction (as README.md and examples/ do), reads
+``--before`` batches writing each row's id and pass to ``<out>.before``, takes ``loader.state_dict()`` into
+``--save`` (torch.save), reads ``--after`` more batches (``<out>.after``, not counted: the job "crashes" before
+its next checkpoint) and SIGKILLs itself. With ``--kill-writer-at N`` it SIGKILLs writer 0 after N batches.
+``--before 0 --drain-past P``: the last segment, reading until ``P`` rows of later passes came from each writer
+(so that no row of pass 0 still owed can be missed); everything it reads counts.
+
+It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+
+STRIDE = 10**6
+
+
+class FiniteIds(IterableDataset):  # type: ignore[type-arg]
+    """``ids`` rows per writer per pass: ``id = worker * STRIDE + i``, ``pass``; the state is (pass, pos)."""
+
+    def __init__(self, ids: int, chunk: int) -> None:
+        self.ids, self.chunk = ids, chunk
+        self.passes, self.pos = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pass": self.passes, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.passes, self.pos = int(state["pass"]), int(state["pos"])
+
+    def __iter__(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        while self.pos < self.ids:
+            start, self.pos = self.pos, min(self.pos + self.chunk, self.ids)
+            ids = torch.arange(start, self.pos, dtype=torch.int64) + worker * STRIDE
+            yield [{"id": ids, "pass": torch.full_like(ids, self.passes)}]
+        self.passes, self.pos = self.passes + 1, 0
+
+
+def _record(batch: list[dict[str, torch.Tensor]]) -> list[tuple[int, int]]:
+    group = batch[0]
+    return list(zip(group["id"].tolist(), group["pass"].tolist(), strict=True))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--queue", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", default="")
+    p.add_argument("--save", default="")
+    p.add_argument("--before", type=int, default=0)
+    p.add_argument("--after", type=int, default=0)
+    p.add_argument("--drain-past", type=int, default=0)
+    p.add_argument("--kill-writer-at", type=int, default=-1)
+    p.add_argument("--ids", type=int, default=2000)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--bs", type=int, default=16)
+    p.add_argument("--shuffle-size", type=int, default=256)
+    p.add_argument("--max-seconds", type=float, default=240.0)
+    args = p.parse_args()
+    cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=2,
+                           num_readers=2, redis_url=args.redis_url, max_restarts=3)  # fmt: skip
+    deadline = time.monotonic() + args.max_seconds
+    loader = MultiprocessShuffledDataloader(FiniteIds(args.ids, args.chunk), cfg)
+    if args.resume:
+        loader.load_state_dict(torch.load(args.resume, weights_only=False))
+    it = iter(loader)
+    with open(args.out + ".before", "w") as before:
+        if args.before == 0:  # the last segment: read well past the end of pass 0, so that no row owed is missed
+            later = [0, 0]  # rows of later passes, per writer: a writer that starts late is waited for
+            while min(later) < args.drain_past and time.monotonic() < deadline:
+                for i, ps in _record(next(it)):
+                    before.write(f"{i} {ps}\n")
+                    later[i // STRIDE] += ps > 0
+            before.flush()
+            loader.close()
+            return
+        for n in range(args.before):
+            if n == args.kill_writer_at:
+                os.kill(loader.child_pids()["writer"][0], signal.SIGKILL)
+            for i, ps in _record(next(it)):
+                before.write(f"{i} {ps}\n")
+        before.flush()
+        os.fsync(before.fileno())
+    state = loader.state_dict()
+    torch.save(state, args.save + ".tmp")
+    os.replace(args.save + ".tmp", args.save)
+    with open(args.out + ".after", "w") as after:
+        for _ in range(args.after):
+            for i, ps in _record(next(it)):
+                after.write(f"{i} {ps}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Checkpoint behaviour a user hits without a crash (issue 22): restore before reading, a checkpoint while a writer
+is dead, ``sources.Chunked`` forwarding its source's state, and the checks on a checkpoint's own part."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from datasets import Counter, take, writer_of
+
+from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
+from gigashuffle.sources import Chunked
+from gigashuffle.trainer.datasetstate import own_part
+
+
+def _config(redis_url: str, tag: str, **overrides: Any) -> DataloaderConfig:
+    settings: dict[str, Any] = dict(bs=4, shuffle_size=64, queue_name=f"{tag}-{uuid.uuid4().hex[:8]}", num_writers=1,
+                                    num_readers=1, redis_url=redis_url)  # fmt: skip
+    settings.update(overrides)
+    return DataloaderConfig(**settings)
+
+
+def _counters(batches: list[list[dict[str, torch.Tensor]]]) -> list[tuple[int, int]]:
+    return [(int(writer_of(i)), int(c)) for b in batches for i, c in zip(b[0]["id"], b[0]["counter"], strict=True)]
+
+
+def test_a_checkpoint_loaded_after_the_dummy_batch_is_the_first_thing_read(redis_url: str) -> None:
+    """NOTE [ Restore before reading ]: the writers take a chunk for the dummy batch, then hold until the state
+    comes; no row from the dataset's start reaches the buffer meanwhile."""
+    cfg = _config(redis_url, "hold", num_writers=2)
+    with MultiprocessShuffledDataloader(Counter(chunk=8), cfg) as loader:
+        assert loader.get_dummy_batch(timeout_s=120)[0]["counter"].shape == (4,)
+        time.sleep(0.5)  # what a model load would take: the writers must still hold
+        assert loader.stats() == ShuffleBufferStats(full=0, empty=64, in_flight=0)
+        start = {"global_rank": 0, "global_world_size": 1, "num_writers": 2, "writers": [{"pos": 1000}] * 2}
+        loader.load_state_dict({"rank0": start})
+        rows = _counters(take(iter(loader), 30))
+    assert min(c for _w, c in rows) >= 1000, "rows from before the loaded state were read"
+    assert {w for w, _c in rows} == {0, 1}
+
+
+def test_state_dict_while_a_writer_is_being_killed_waits_for_its_successor(redis_url: str) -> None:
+    """The issue's BrokenPipeError: a writer SIGKILLed just before ``state_dict()``."""
+    cfg = _config(redis_url, "deadwriter", num_writers=2, bs=8, shuffle_size=128, max_restarts=5)
+    with MultiprocessShuffledDataloader(Counter(chunk=8), cfg) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            take(it, 5)
+            os.kill(loader.child_pids()["writer"][0], signal.SIGKILL)
+            state = loader.state_dict()["rank0"]
+            assert len(state["writers"]) == 2 and all("pos" in w for w in state["writers"])
+        take(it, 5)
+
+
+class _Samples:
+    """A per-sample source with a position, like a Hugging Face ``IterableDataset``."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        while self.pos < 1000:
+            self.pos += 1
+            yield {"x": self.pos - 1}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def test_chunked_forwards_its_sources_state() -> None:
+    chunked = Chunked(_Samples(), rows=4)
+    it = iter(chunked)
+    next(it)
+    assert chunked.state_dict() == {"pos": 4}, "between chunks the source is exactly past the last chunk"
+    chunked.load_state_dict({"pos": 100})
+    assert next(iter(chunked))[0]["x"].tolist() == [100, 101, 102, 103]
+    with pytest.raises(CheckpointError, match="source list has no state_dict"):
+        Chunked([{"x": 1}], rows=1).state_dict()
+
+
+def test_a_chunked_source_without_state_gets_a_clear_error(redis_url: str) -> None:
+    source = [{"x": i} for i in range(64)]
+    with MultiprocessShuffledDataloader(Chunked(source, rows=4), _config(redis_url, "chunked")) as loader:
+        with pytest.raises(CheckpointError, match=r"Chunked .* its source list has no state_dict\(\)"):
+            loader.state_dict()
+        take(iter(loader), 1)
+
+
+def test_a_checkpoint_of_another_rank_or_a_damaged_one_is_refused() -> None:
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name="parts", num_writers=1, global_rank=1,
+                           global_world_size=2, local_rank=0, local_world_size=1)  # fmt: skip
+    mine = {"global_rank": 1, "global_world_size": 2, "num_writers": 1, "writers": [{}], "skip": [0]}
+    assert own_part(cfg, {"rank0": {}, "rank1": mine})["writers"] == [{}]
+    with pytest.raises(CheckpointError, match=r"no entry 'rank1' .*global rank 1 of 2.*\['rank0'\]"):
+        own_part(cfg, {"rank0": mine})
+    torn = {"layout": "{}", "fields": [torch.zeros(3, 4, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8)]}
+    with pytest.raises(CheckpointError, match="damaged"):
+        own_part(cfg, {"rank1": {**mine, "rows": torn}})
+    with pytest.raises(CheckpointError, match="damaged"):
+        own_part(cfg, {"rank1": {**mine, "rows": {"layout": "{}", "fields": [torch.zeros(3, 4)]}}})

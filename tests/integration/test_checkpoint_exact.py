@@ -1,0 +1,79 @@
+"""The exact-checkpoint scenario of issue 22, with real loaders in real processes (tests/integration/checkpoint_job.py).
+
+A finite dataset of unique ids (2 writers x ``IDS`` per pass, ``state_dict`` = its position), 2 writers, 2 readers.
+Three segments each take a checkpoint, read on and are SIGKILLed; each next one is a new process that loads the
+checkpoint right after building its loader. A last segment reads far past the end of the first pass. The rows
+each segment read before its checkpoint, plus everything the last one read, must be every id of pass 0 exactly
+once (NOTE [ Checkpoint cut ] in trainer/cut.py, NOTE [ Respawned writers ] in procs/resume.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+JOB = Path(__file__).with_name("checkpoint_job.py")
+IDS, STRIDE, SHUFFLE = 1000, 10**6, 256
+_SEGMENT_S = 240
+
+
+def _segment(redis_url: str, out: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", f"ckpt-{uuid.uuid4().hex[:8]}",
+           "--out", str(out), "--ids", str(IDS), "--shuffle-size", str(SHUFFLE), *args]  # fmt: skip
+    done = subprocess.run(cmd, env=env, timeout=_SEGMENT_S, check=False, capture_output=True, text=True)
+    return done.stderr[-3000:]
+
+
+def _read(path: Path) -> list[tuple[int, int]]:
+    if not path.exists():
+        return []
+    return [(int(a), int(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line.strip())]
+
+
+def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1) -> tuple[int, int, int]:
+    """(lost, twice, counted) over the ids of pass 0."""
+    ckpt = ""
+    counted: list[tuple[int, int]] = []
+    for seg in range(3):
+        save = tmp / f"ckpt{seg}.pt"
+        kill = ["--kill-writer-at", "15"] if seg == kill_writer_in else []
+        log = _segment(redis_url, tmp / f"seg{seg}", "--before", "30", "--after", "12", "--save", str(save),
+                 *(["--resume", ckpt] if ckpt else []), *kill)  # fmt: skip
+        assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
+        counted += _read(tmp / f"seg{seg}.before")
+        ckpt = str(save)
+    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--drain-past", str(10 * SHUFFLE))
+    counted += _read(tmp / "last.before")
+    assert "Traceback" not in log, log
+    seen = collections.Counter(i for i, ps in counted if ps == 0)
+    everything = {w * STRIDE + i for w in range(2) for i in range(IDS)}
+    assert set(seen) <= everything
+    lost = len(everything - set(seen))
+    twice = sum(1 for n in seen.values() if n > 1)
+    return lost, twice, len(counted)
+
+
+def test_three_resumes_read_every_row_of_the_pass_once(redis_url: str, tmp_path: Path) -> None:
+    lost, twice, _ = run_scenario(redis_url, tmp_path)
+    assert (lost, twice) == (0, 0)
+
+
+def test_a_writer_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path) -> None:
+    lost, twice, _ = run_scenario(redis_url, tmp_path, kill_writer_in=1)
+    assert (lost, twice) == (0, 0)
+
+
+if __name__ == "__main__":  # measure any checkout: PYTHONPATH=<checkout> python test_checkpoint_exact.py URL DIR
+    import tempfile
+
+    for kill in (-1, 1):
+        with tempfile.TemporaryDirectory(dir=sys.argv[2]) as d:
+            print(
+                "writer killed in segment" if kill >= 0 else "no writer killed",
+                run_scenario(sys.argv[1], Path(d), kill),
+            )
