@@ -92,7 +92,7 @@ _NOBODY_CLIENT = r"""
 import json, socket, sys, types
 pkg = types.ModuleType("gigashuffle"); pkg.__path__ = [sys.argv[2]]; sys.modules["gigashuffle"] = pkg
 from gigashuffle.procs.attach import attach  # the real client, without the package's torch/redis imports
-out = {}
+out = {"module": sys.modules["gigashuffle.procs.attach"].__file__}
 try:
     info, fds = attach(sys.argv[1], timeout_s=5.0)
     out["attach"] = {"fds": len(fds)}
@@ -139,6 +139,8 @@ def _as_nobody(path: str, package: str) -> dict[str, Any]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    # The code under test, not another checkout's (a venv's editable install would have resolved the import).
+    assert result["module"].startswith(package + os.sep), result
     return result
 
 
