@@ -148,3 +148,44 @@ class TwoProcesses:
         return round((cpu + float(written[1])) * 1e6 / max(rows, 1), 4)
 
     track_cpu_us_per_row.unit = "us/row"  # type: ignore[attr-defined]
+
+
+class Repair:
+    """The node lock's time per repair at a large node's table sizes (NOTE [ Holder registry ] in shm/holders.py):
+    the periodic one each writer and reader runs about once a second, which finds no death almost always, and the
+    one after a death (a reaped process held 64 slots). Milliseconds of lock per call, so lower is better."""
+
+    params = ([4 * 2**20, 64 * 2**20],)
+    param_names = ("slots",)
+    repeat = (2, 3, 120.0)
+    timeout = 900
+
+    def setup(self, slots: int) -> None:
+        self.table = table = SlotTable(slots, seed=0)
+        pid = os.getpid()
+        table.commit_written(pid, table.acquire_empty(pid, int(FILL * slots)))
+        table.acquire_empty(pid, 2048)  # a live writer's reservation and a live reader's batch
+        table.draw_full(pid, 4096)
+        int(table.holder.sum()) + int(table.state.sum())  # fault every page in, as on a node that has run a while
+
+    def teardown(self, slots: int) -> None:
+        self.table.close()
+
+    def _lock_ms(self) -> float:
+        before = self.table.lock_usage().held_s
+        self.table.repair()
+        return round((self.table.lock_usage().held_s - before) * 1e3, 3)
+
+    def track_lock_ms_per_periodic_repair(self, slots: int) -> float:
+        return self._lock_ms()
+
+    def track_lock_ms_per_repair_after_a_death(self, slots: int) -> float:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        self.table.acquire_empty(pid, 64)  # registered as gone: the process no longer exists
+        return self._lock_ms()
+
+    track_lock_ms_per_periodic_repair.unit = "ms"  # type: ignore[attr-defined]
+    track_lock_ms_per_repair_after_a_death.unit = "ms"  # type: ignore[attr-defined]

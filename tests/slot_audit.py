@@ -24,6 +24,7 @@ from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.journal import H_EMPTY, H_FULL, H_LENGTH
 from gigashuffle.shm.slottable import (
     EMPTY,
     FULL,
@@ -79,25 +80,32 @@ def node_table(url: str, keys: QueueKeys, shuffle_size: int) -> Iterator[SlotTab
 
 
 def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool = True) -> dict[str, Any]:
-    """One atomic look at the slot table (under its lock): every slot in exactly one known state.
+    """One atomic look at the slot table (under its lock): every slot in exactly one known state, the header's
+    counts of full and empty slots equal to the states', and an empty journal.
 
     With ``settled`` every slot being written or read must also be held by a live, registered process (those
     of dead ones were repaired).
     """
     with node_table(url, keys, shuffle_size) as table:
         assert table is not None, "no process serves the node buffer and its slot table"
-        with table._locked():
-            state, holder = table.state.copy(), table.holder.copy()
+        with table._locked():  # rolls forward an op a dead holder journaled: the journal is empty after it
+            state, holder, header = table.state.copy(), table.holder.copy(), table._header.copy()
     with redis.Redis.from_url(url, socket_timeout=10.0) as client:
         procs = {int(json.loads(v)["pid"]) for v in client.hvals(keys.procs)}
     assert len(state) == shuffle_size
     unknown = sorted(set(np.unique(state).tolist()) - {EMPTY, WRITING, FULL, READING, READING_EVICT})
     assert not unknown, f"slots in unknown states {unknown}"
     held = np.isin(state, (WRITING, READING, READING_EVICT))
+    empty, full = int((state == EMPTY).sum()), int((state == FULL).sum())
+    assert int(header[H_LENGTH]) == 0, "a journaled op was left after the lock's roll-forward"
+    assert (int(header[H_FULL]), int(header[H_EMPTY])) == (full, empty), (
+        f"the header counts {int(header[H_FULL])} full and {int(header[H_EMPTY])} empty slots, the states {full} "
+        f"and {empty}"
+    )
     if settled:
         orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
         assert not orphans, f"slots held by processes that are dead or not registered (never repaired): {orphans}"
-    return {"empty": int((state == EMPTY).sum()), "full": int((state == FULL).sum()), "leased": int(held.sum())}
+    return {"empty": empty, "full": full, "leased": int(held.sum())}
 
 
 def lock_is_free(table: SlotTable) -> bool:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # How often a child returns slots of dead holders (the trainer does so at once for its own children).
 _REPAIR_PERIOD_S = 1.0
+# The fallback pass over every slot (NOTE [ Holder registry ] in shm/holders.py): rare, it holds the node lock.
+_SCAN_PERIOD_S = 600.0
 
 
 class _NoContext(enum.Enum):
@@ -289,20 +291,26 @@ def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[i
 
 
 class Housekeeping:
-    """What a child does about once a second, off the hot path: return the slots of dead holders. No Redis: the
-    trainers' heartbeats record the node's counts (NOTE [ Control plane ] in control/lua.py)."""
+    """What a child does about once a second, off the hot path: return the slots of dead holders (a /proc read per
+    holder, the lock only after a death), and every ``scan_s`` the fallback pass over the whole table. No Redis:
+    the trainers' heartbeats record the node's counts (NOTE [ Control plane ] in control/lua.py)."""
 
-    def __init__(self, env: ChildEnv, period_s: float = _REPAIR_PERIOD_S) -> None:
+    def __init__(self, env: ChildEnv, period_s: float = _REPAIR_PERIOD_S, scan_s: float = _SCAN_PERIOD_S) -> None:
         self.env = env
-        self.period_s = period_s
+        self.period_s, self.scan_s = period_s, scan_s
         self._due = time.monotonic() + period_s
+        self._scan_due = time.monotonic() + scan_s
 
     def tick(self) -> None:
-        if time.monotonic() < self._due:
+        now = time.monotonic()
+        if now < self._due:
             return
-        self._due = time.monotonic() + self.period_s
+        self._due = now + self.period_s
+        scan = now >= self._scan_due
+        if scan:
+            self._scan_due = now + self.scan_s
         table = self.env.table
-        if table is not None and (repaired := table.repair()):
+        if table is not None and (repaired := table.repair(scan=scan)):
             log.info("returned %d slots of dead processes", repaired)
 
 

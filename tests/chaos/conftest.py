@@ -325,14 +325,27 @@ class Chaos:
     def consumer(self, loader: MultiprocessShuffledDataloader) -> Consumer:
         return Consumer(loader)
 
-    def assert_stats(self, loader: MultiprocessShuffledDataloader) -> dict[str, Any]:
-        """stats() adds up to shuffle_size and the slot table accounts for every slot."""
+    def assert_stats(self, loader: MultiprocessShuffledDataloader, timeout_s: float = 20.0) -> dict[str, Any]:
+        """stats() agrees with the slot audit: the audit checks the header's counts against every slot's state and
+        an empty journal in one hold of the lock, and stats() (the header's counts) must equal the states' counts.
+        The loader's children may still move slots, so stats() is read before and after the audit until the two
+        readings agree (the node was still over the audit)."""
         cfg = loader.config
-        stats = loader.stats()
-        assert min(stats.full, stats.empty, stats.in_flight) >= 0, stats
-        assert stats.full + stats.empty + stats.in_flight == cfg.shuffle_size, stats
-        audit = audit_slots(loader.redis_url, self.keys(cfg), cfg.shuffle_size)
-        return {"stats": [stats.full, stats.empty, stats.in_flight], "audit": audit}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = loader.stats()
+            assert min(stats.full, stats.empty, stats.in_flight) >= 0, stats
+            assert stats.full + stats.empty + stats.in_flight == cfg.shuffle_size, stats
+            audit = audit_slots(loader.redis_url, self.keys(cfg), cfg.shuffle_size)
+            after = loader.stats()
+            counted = (audit["full"], audit["empty"], audit["leased"])
+            if stats == after and (stats.full, stats.empty, stats.in_flight) == counted:
+                return {"stats": [stats.full, stats.empty, stats.in_flight], "audit": audit}
+            assert time.monotonic() < deadline, (
+                f"stats() {stats} then {after} never matched the slot audit {audit} (no quiet moment in "
+                f"{timeout_s}s, or the header's counts drifted from the states)"
+            )
+            time.sleep(0.05)
 
     # -- tear-down --------------------------------------------------------------------------------------------
     def close_all(self) -> None:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ _NOBODY_CLIENT = r"""
 import json, socket, sys, types
 pkg = types.ModuleType("gigashuffle"); pkg.__path__ = [sys.argv[2]]; sys.modules["gigashuffle"] = pkg
 from gigashuffle.procs.attach import attach  # the real client, without the package's torch/redis imports
-out = {}
+out = {"module": sys.modules["gigashuffle.procs.attach"].__file__}
 try:
     info, fds = attach(sys.argv[1], timeout_s=5.0)
     out["attach"] = {"fds": len(fds)}
@@ -109,21 +110,43 @@ print(json.dumps(out))
 """
 
 
-def _as_nobody(path: str) -> dict[str, Any]:
-    package = str(Path(gigashuffle.__file__).parent)
+@pytest.fixture
+def readable_package() -> Iterator[str]:
+    """A copy of the package that ``nobody`` can read: the checkout may lie under a 0700 directory (``mktemp -d``,
+    a 0750 home), where the other uid could not import it and the test would fail for a reason unrelated to what
+    it checks. The client imports only the attach module and its few pure-Python imports from it."""
+    base = tempfile.mkdtemp(prefix="gs-nobody-")
+    try:
+        target = Path(base) / "gigashuffle"
+        shutil.copytree(Path(gigashuffle.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__"))
+        for folder, _dirs, files in os.walk(base):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        yield str(target)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _as_nobody(path: str, package: str) -> dict[str, Any]:
+    # The real interpreter, not a venv's link to it (a venv inside the checkout lies under the same 0700
+    # directory), in isolated mode: the client needs the standard library and the package copy only.
+    python = os.path.realpath(sys.executable)
     done = subprocess.run(
-        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", _NOBODY_CLIENT,
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python, "-I", "-c", _NOBODY_CLIENT,
          path, package],
         capture_output=True, text=True, timeout=60, cwd="/", check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    # The code under test, not another checkout's (a venv's editable install would have resolved the import).
+    assert result["module"].startswith(package + os.sep), result
     return result
 
 
 @pytest.mark.skipif(not (IS_ROOT and HAVE_SETPRIV), reason="needs root and setpriv to act as another uid")
 @pytest.mark.parametrize("seed", range(2))
-def test_other_uid_cannot_attach(chaos: Any, redis_url: str, seed: int) -> None:
+def test_other_uid_cannot_attach(chaos: Any, redis_url: str, readable_package: str, seed: int) -> None:
     rng = chaos.begin("attach from another uid", "nobody vs a live attach socket", seed, redis_url)
     loader = chaos.loader(ChaosDataset(rows=8), chaos.config(bs=4))
     consumer = chaos.consumer(loader)
@@ -133,7 +156,7 @@ def test_other_uid_cannot_attach(chaos: Any, redis_url: str, seed: int) -> None:
     assert path.parent == chaos.runtime_dir
     started = time.monotonic()
 
-    closed = _as_nobody(str(path))  # the runtime dir is 0700: nobody cannot reach the socket at all
+    closed = _as_nobody(str(path), readable_package)  # the runtime dir is 0700: nobody cannot reach the socket at all
     assert "Permission denied" in closed["attach"].get("error", ""), closed
     assert "Permission denied" in closed["raw"].get("error", ""), closed
 
@@ -141,7 +164,8 @@ def test_other_uid_cannot_attach(chaos: Any, redis_url: str, seed: int) -> None:
     try:
         os.chmod(path.parent, 0o711)
         os.chmod(path, 0o666)
-        opened = _as_nobody(str(path))  # reachable now: the server's SO_PEERCRED check is all that is left
+        # Reachable now: the server's SO_PEERCRED check is all that is left.
+        opened = _as_nobody(str(path), readable_package)
     finally:
         os.chmod(path, sock_mode)
         os.chmod(path.parent, dir_mode)
