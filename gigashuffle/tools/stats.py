@@ -110,7 +110,9 @@ def with_rates(now: list[Sample], before: list[Sample]) -> list[dict[str, Any]]:
         if (prev := earlier.get(_key(s))) is not None:
             candidates += [prev.last, prev.previous]
         older = [r for r in candidates if 0 < r.at_ns < s.last.at_ns]
-        if older:
+        # Without a live rank claim no trainer records, and the last records are of a job that ended (or died):
+        # its old rate would read as rows flowing now.
+        if older and row.get("ranks") != 0:
             row.update(_rates(max(older, key=lambda r: r.at_ns), s.last))
         rows.append(row)
     return rows
@@ -135,9 +137,9 @@ def short_generation(generation: str) -> str:
 
 
 def needs_second_record(samples: list[Sample]) -> bool:
-    """True while a queue has fewer than two counter records (the first seconds of its job: the trainer maps the
-    slot table once a child attached, then records at every heartbeat), so no rate can be taken yet."""
-    return any(not s.previous.at_ns for s in samples)
+    """True while a queue with a live rank has fewer than two counter records (the first seconds of its job: the
+    trainer maps the slot table once a child attached, then records at every heartbeat), so no rate yet."""
+    return any(s.row.get("ranks") and not s.previous.at_ns for s in samples)  # no rank: no trainer will record
 
 
 def queue_rows(client: Client, interval_s: float = 1.0, server: str = "") -> list[dict[str, Any]]:

@@ -149,6 +149,10 @@ def test_stats_rates_take_the_lock_share_between_the_node_s_own_readings() -> No
     assert again[0]["read_per_s"] == 200
     unread = Sample(dict(row), Record())  # no reading recorded yet (table not mapped)
     assert with_rates([unread], [Sample(dict(row), later, first)])[0].get("lock_busy_pct") is None
+    # No live rank claim: the records are a finished job's, not a rate of now.
+    ended = Sample({**row, "ranks": 0}, later, first)
+    assert with_rates([ended], [])[0].get("read_per_s") is None
+    assert with_rates([Sample({**row, "ranks": 1}, later, first)], [])[0]["read_per_s"] == 200
     # Counters that went down: another slot table (a new session), no rate across it.
     restarted = Sample(dict(row), Record(10, 5, 2_000, 7_000_000_000), later)
     assert with_rates([restarted], [])[0].get("read_per_s") is None
