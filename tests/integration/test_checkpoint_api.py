@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from datasets import Counter, take, writer_of
+from datasets import Counter, take, wait_for, writer_of
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
 from gigashuffle.sources import Chunked
@@ -52,7 +52,10 @@ def test_state_dict_while_a_writer_is_being_killed_waits_for_its_successor(redis
         it = iter(loader)
         for _ in range(3):
             take(it, 5)
-            os.kill(loader.child_pids()["writer"][0], signal.SIGKILL)
+            pid = loader.child_pids()["writer"][0]
+            os.kill(pid, signal.SIGKILL)
+            # Gone and reaped, and the trainer not told yet (it learns in its next pump): a send to it breaks.
+            wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), f"writer {pid} to be reaped")
             state = loader.state_dict()["rank0"]
             assert len(state["writers"]) == 2 and all("pos" in w for w in state["writers"])
         take(it, 5)
