@@ -23,7 +23,8 @@ them finished. Exact for one rank per node (``local_world_size == 1``) that evic
 several ranks on a node the other ranks' readers and writers would not be paused while this rank copied the buffer, so
 each rank saves only its writers' states (unpaused), and no undelivered row is saved
 (up to ``shuffle_size`` rows are skipped by a resume, as without this cut).
-Today's figures: see docs/benchmarks.md (``python -m gigashuffle.tools.bench.checkpoint``).
+Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
+``shuffle_size`` 262,144 tiny rows the pause is 11-51 ms and the state 4 MB; at 1M, 63-116 ms and 10-12 MB.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ segment builds the loader, loads ``--resume`` right after construction (as READM
 ``--before`` batches writing each row's id and pass to ``<out>.before``, takes ``loader.state_dict()`` into
 ``--save`` (torch.save), reads ``--after`` more batches (``<out>.after``, not counted: the job "crashes" before
 its next checkpoint) and SIGKILLs itself. With ``--kill-writer-at N`` it SIGKILLs writer 0 after N batches.
-``--before 0 --drain-past P``: the last segment, reading until ``P`` rows of later passes came from each writer
-(so that no row of pass 0 still owed can be missed); everything it reads counts.
+``--before 0 --counted F --drain-past P``: the last segment, reading until every id of pass 0 not in ``F`` (what
+the earlier segments counted) came, then ``P`` rows more (a repeat would show), within ``--max-seconds``; everything
+it reads counts. (Its writers may be served unevenly, so a fixed number of rows would not do.)
 
 It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
 """
@@ -18,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--before", type=int, default=0)
     p.add_argument("--after", type=int, default=0)
     p.add_argument("--drain-past", type=int, default=0)
+    p.add_argument("--counted", default="", help="a file of the ids of pass 0 counted by the earlier segments")
     p.add_argument("--kill-writer-at", type=int, default=-1)
     p.add_argument("--ids", type=int, default=2000)
     p.add_argument("--chunk", type=int, default=16)
@@ -80,12 +83,16 @@ def main() -> None:
         loader.load_state_dict(torch.load(args.resume, weights_only=False))
     it = iter(loader)
     with open(args.out + ".before", "w") as before:
-        if args.before == 0:  # the last segment: read well past the end of pass 0, so that no row owed is missed
-            later = [0, 0]  # rows of later passes, per writer: a writer that starts late is waited for
-            while min(later) < args.drain_past and time.monotonic() < deadline:
+        if args.before == 0:  # the last segment: every id of pass 0 not counted yet, then a margin for repeats
+            counted = set(map(int, Path(args.counted).read_text().split())) if args.counted else set()
+            missing = {w * STRIDE + i for w in range(2) for i in range(args.ids)} - counted
+            margin = args.drain_past
+            while (missing or margin > 0) and time.monotonic() < deadline:
                 for i, ps in _record(next(it)):
                     before.write(f"{i} {ps}\n")
-                    later[i // STRIDE] += ps > 0
+                    if ps == 0:
+                        missing.discard(i)
+                    margin -= not missing
             before.flush()
             loader.close()
             return

@@ -3,6 +3,7 @@ is dead, ``sources.Chunked`` forwarding its source's state, and the checks on a 
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import time
@@ -12,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from datasets import Counter, take, writer_of
+from checkpoint_job import FiniteIds
+from datasets import Counter, take, wait_for, writer_of
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
 from gigashuffle.sources import Chunked
@@ -52,7 +54,10 @@ def test_state_dict_while_a_writer_is_being_killed_waits_for_its_successor(redis
         it = iter(loader)
         for _ in range(3):
             take(it, 5)
-            os.kill(loader.child_pids()["writer"][0], signal.SIGKILL)
+            pid = loader.child_pids()["writer"][0]
+            os.kill(pid, signal.SIGKILL)
+            # Gone and reaped, and the trainer not told yet (it learns in its next pump): a send to it breaks.
+            wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), f"writer {pid} to be reaped")
             state = loader.state_dict()["rank0"]
             assert len(state["writers"]) == 2 and all("pos" in w for w in state["writers"])
         take(it, 5)
@@ -107,3 +112,29 @@ def test_a_checkpoint_of_another_rank_or_a_damaged_one_is_refused() -> None:
         own_part(cfg, {"rank1": {**mine, "rows": torn}})
     with pytest.raises(CheckpointError, match="damaged"):
         own_part(cfg, {"rank1": {**mine, "rows": {"layout": "{}", "fields": [torch.zeros(3, 4)]}}})
+
+
+def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_of_it(redis_url: str) -> None:
+    """A full buffer with the caller not reading: the writer waits for empty slots inside a chunk it has taken from
+    its dataset. The checkpoint must name the state before that chunk and the rows of it written (NOTE [ Checkpoint
+    cut ]): the resumed loader reads every id of the pass once, counting what was read before the checkpoint."""
+    ids = 400
+    cfg = _config(redis_url, "midchunk", bs=4, shuffle_size=64)
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 24), cfg) as loader:
+        it = iter(loader)
+        before = [int(i) for b in take(it, 5) for i in b[0]["id"]]
+        wait_for(lambda: loader.stats().empty == 0, "the buffer to fill up while nobody reads")
+        state = loader.state_dict()
+    assert state["rank0"]["skip"][0] > 0, "the writer was inside a chunk: its state is from before it"
+    with MultiprocessShuffledDataloader(
+        FiniteIds(ids, 24), _config(redis_url, "midchunk2", bs=4, shuffle_size=64)
+    ) as again:
+        again.load_state_dict(state)
+        it = iter(again)
+        after: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 120
+        while sum(p > 0 for _i, p in after) < 20 * 64 and time.monotonic() < deadline:
+            after += [(int(i), int(p)) for b in take(it, 1) for i, p in zip(b[0]["id"], b[0]["pass"], strict=True)]
+    seen = collections.Counter(before + [i for i, p in after if p == 0])
+    assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
+    assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"

@@ -2,7 +2,7 @@
 
 A finite dataset of unique ids (2 writers x ``IDS`` per pass, ``state_dict`` = its position), 2 writers, 2 readers.
 Three segments each take a checkpoint, read on and are SIGKILLed; each next one is a new process that loads the
-checkpoint right after building its loader. A last segment reads far past the end of the first pass. The rows
+checkpoint right after building its loader. A last segment reads until every id not yet counted came, and on. The rows
 each segment read before its checkpoint, plus everything the last one read, must be every id of pass 0 exactly
 once (NOTE [ Checkpoint cut ] in trainer/cut.py, NOTE [ Respawned writers ] in procs/resume.py).
 """
@@ -47,7 +47,9 @@ def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1) -> tuple[i
         assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _read(tmp / f"seg{seg}.before")
         ckpt = str(save)
-    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--drain-past", str(10 * SHUFFLE))
+    (tmp / "counted").write_text(" ".join(str(i) for i, ps in counted if ps == 0))
+    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--counted", str(tmp / "counted"),
+                   "--drain-past", str(4 * SHUFFLE))  # fmt: skip
     counted += _read(tmp / "last.before")
     assert "Traceback" not in log, log
     seen = collections.Counter(i for i, ps in counted if ps == 0)
