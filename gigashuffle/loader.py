@@ -25,6 +25,7 @@ from gigashuffle.host.pids import describe_process, is_stopped
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import interrupts
+from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import SetContext, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
@@ -111,6 +112,7 @@ class MultiprocessShuffledDataloader:
         # Filling progress is shown while this rank waits for its first batch, then never again.
         self._progress: progress.FillProgress | None = None
         self._first_batch_seen = False
+        self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -194,6 +196,9 @@ class MultiprocessShuffledDataloader:
     def _show_filling(self) -> None:
         if self._first_batch_seen:
             return
+        if time.monotonic() > self._late_writers_due:
+            self._late_writers_due = float("inf")
+            _log_late_writers(self._sup)
         if self._progress is None:
             cfg = self.config
             self._progress = progress.FillProgress(
@@ -403,6 +408,18 @@ def _stopped_lock_holder(sup: Supervisor) -> str:
     if holder is None or not is_stopped(holder):
         return ""
     return f"; the node's slot-table lock is held by {describe_process(holder)}"
+
+
+def _log_late_writers(sup: Supervisor) -> None:
+    late = sorted(c.index for c in sup.writers() if c.index not in sup.mix_shares)
+    if late:
+        cfg = sup.config
+        log.warning(
+            "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
+            "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
+            "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
+            cfg.queue_name, cfg.global_rank, late, share(cfg), FIRST_MIX_WAIT_S, FIRST_MIX_WAIT_S,
+        )  # fmt: skip
 
 
 def _full_slots(sup: Supervisor) -> int:

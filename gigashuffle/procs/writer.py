@@ -44,8 +44,17 @@ from gigashuffle.control import dummyrow
 from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.firstmix import FirstMix
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
-from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.messages import (
+    Attached,
+    DatasetState,
+    LoadState,
+    MixShare,
+    Rejoin,
+    SetContext,
+    StateRequest,
+)
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
 from gigashuffle.procs.seeds import writer_seed
 from gigashuffle.schema import Layout
@@ -241,6 +250,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
+    mix = FirstMix(env.config, table, env.spec.index)  # NOTE [ First mix ]
     control_due = 0.0  # when the trainer's messages are next read between chunks
     with PendingRows(table, me) as pending:
 
@@ -253,19 +263,30 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             rows, as_bytes = layout.rows_in(chunk)
             done = 0
             while done < rows:
+                allowed = mix.allowed(rows - done)
+                if not allowed:  # its share of the first mix is in: wait for the node's first read
+                    pending.publish()
+                    reserved.give_back()
+                    _handle_control(env, chunks)
+                    chores.tick()
+                    backoff.sleep()
+                    continue
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
-                    reserved.add(table.acquire_empty(me, rows - done))
+                    reserved.add(table.acquire_empty(me, allowed))
                     if not reserved.held():
                         _handle_control(env, chunks)
                         chores.tick()
                         backoff.sleep()
                         continue
                 backoff.reset()
-                slots = reserved.take(rows - done)
+                slots = reserved.take(allowed)
                 buffer.write(slots, as_bytes, done)
                 done += len(slots)
                 pending.add(slots)
+                mix.wrote(len(slots))
+                if mix.share_in():
+                    env.channel.send(MixShare())
             per_commit = rows_per_commit(rows, buffer.slots)
             if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]
                 reserved.add(pending.publish_and_reserve(per_commit - reserved.held(), min_full))

@@ -60,6 +60,7 @@ from gigashuffle.procs.messages import (
     ChildError,
     DatasetState,
     FreeSlot,
+    MixShare,
     PassEnd,
     Rejoin,
     RingReady,
@@ -105,6 +106,7 @@ class Supervisor:
         self.dropped = DroppedBatches()
         self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
+        self.mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
@@ -233,6 +235,8 @@ class Supervisor:
             self.states[message.index] = message
         elif isinstance(message, PassEnd):
             self.passes_ended.add(message.number)
+        elif isinstance(message, MixShare):
+            self.mix_shares.add(child.index)
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
