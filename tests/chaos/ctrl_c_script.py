@@ -1,7 +1,7 @@
 """Training processes for tests/chaos/test_ctrl_c.py: what a script does around Ctrl-C, run as a real interpreter.
 
 ``storm URL QUEUE STORM_S DEADLINE_S``: a trainer that catches ``KeyboardInterrupt`` and iterates on with a new
-iterator, under a thread that sends it SIGINT every 1-20 ms for ``STORM_S`` seconds. Its own SIGINT handler (the one
+iterator, under a thread that sends it SIGINT every 0.5-10 ms for ``STORM_S`` seconds. Its own SIGINT handler (the one
 the loader chains to) raises only while the script is inside ``loader.stats()``, ``next(it)`` or the drop of a held
 batch, so every interrupt lands in a loader call or a batch's release. Then, with the storm over, it drops every
 batch and checks, with deadlines, that each reader's whole ring comes back as ready batches (no ring slot lost),
@@ -68,7 +68,7 @@ def storm(url: str, queue: str, storm_s: float, deadline_s: float) -> None:
 
     def send() -> None:
         rnd = random.Random(0)
-        while not stop.wait(rnd.uniform(0.001, 0.02)):
+        while not stop.wait(rnd.uniform(0.0005, 0.01)):
             os.kill(os.getpid(), signal.SIGINT)
 
     held: list[Any] = [next(iter(loader))]  # started, before the storm: start-up takes seconds
@@ -131,9 +131,13 @@ def _after_storm(loader: MultiprocessShuffledDataloader, deadline_s: float) -> d
     }
 
 
+LOADERS: list[MultiprocessShuffledDataloader] = []  # alive until the interpreter exits, as a script's globals are
+
+
 def no_close(queue: str) -> None:
     cfg = DataloaderConfig(bs=8, shuffle_size=256, queue_name=queue, num_writers=1, num_readers=1)
     loader = MultiprocessShuffledDataloader(Rows(), cfg)
+    LOADERS.append(loader)
     it = iter(loader)
     for _ in range(5):
         next(it)
