@@ -21,6 +21,7 @@ from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verifie
 from gigashuffle.errors import AttachError, GigashuffleError
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
@@ -48,17 +49,20 @@ class TableView:
     def get(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
         if self._table is None and "hmac" in self._session.store.meta():
-            queue = self._config.queue_name
-            try:
-                buffer_fd, table_fd = fetch_node_fds(self._session.store, queue, _ATTACH_TABLE_S)
-            except AttachError as exc:
-                log.debug("slot table not mapped yet: %s", exc)
-                return None
-            os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
-            slots = self._config.shuffle_size
-            self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
-            self._keep_meta()
+            with critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
+                self._map()
         return self._table
+
+    def _map(self) -> None:
+        try:
+            buffer_fd, table_fd = fetch_node_fds(self._session.store, self._config.queue_name, _ATTACH_TABLE_S)
+        except AttachError as exc:
+            log.debug("slot table not mapped yet: %s", exc)
+            return
+        os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
+        slots = self._config.shuffle_size
+        self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+        self._keep_meta()
 
     def counts(self) -> NodeCounts | None:
         """The table's counts for the heartbeat (its thread; the table locks against ours)."""
