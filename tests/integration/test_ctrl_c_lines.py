@@ -17,7 +17,7 @@ import uuid
 from types import CodeType, FrameType
 from typing import Any
 
-from datasets import DEADLINE_S, UniqueIds, check_unique_batch, take
+from datasets import UniqueIds, check_unique_batch, take
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.procs.channel import Channel
@@ -27,6 +27,7 @@ from gigashuffle.trainer.dropped import DroppedBatches
 from gigashuffle.trainer.supervisor import Supervisor
 
 BS, SHUFFLE = 8, 256
+RINGS_BACK_S = 60.0  # a started loader's readers refill their rings within a few pumps; generous for a loaded box
 TRACED: set[CodeType] = {
     MultiprocessShuffledDataloader._next_batch.__code__,
     MultiprocessShuffledDataloader._deliver.__code__,
@@ -68,7 +69,7 @@ class Injector:
 
 def _rings_whole(loader: MultiprocessShuffledDataloader) -> tuple[bool, str]:
     sup = loader._sup
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + RINGS_BACK_S
     detail = ""
     while time.monotonic() < deadline:
         sup.pump(0.05)
