@@ -164,6 +164,7 @@ def interrupted(queue: str) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("gigashuffle.trainer.supervisor").setLevel(logging.DEBUG)
+    logging.getLogger("gigashuffle.procs.interrupts").setLevel(logging.DEBUG)
     mode, *args = sys.argv[1:]
     if mode == "storm":
         storm(args[0], args[1], float(args[2]), float(args[3]))
