@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import time
@@ -22,6 +23,9 @@ from gigashuffle.errors import CheckpointError, GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
 from gigashuffle.host.secret import node_secret
+from gigashuffle.procs import interrupts
+from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import SetContext, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
@@ -76,6 +80,8 @@ class MultiprocessShuffledDataloader:
             raise
         self._sup.on_ring = self._placement.adopt  # rings are registered with CUDA when they arrive, not on a batch
         self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
+        _at_exit(self._finalizer)
+        interrupts.install()  # NOTE [ Ctrl-C ] in procs/interrupts.py; _shutdown undoes it
         self._pass_open = False
         # The version of the write each slot held when this trainer last received it: evict() names that write,
         # so a late evict never drops a newer row (-1: never received here, evict whatever the slot holds).
@@ -83,6 +89,7 @@ class MultiprocessShuffledDataloader:
         # Filling progress is shown while this rank waits for its first batch, then never again.
         self._progress: progress.FillProgress | None = None
         self._first_batch_seen = False
+        self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
 
     # -- iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -106,16 +113,19 @@ class MultiprocessShuffledDataloader:
         sup = self._sup
         self._finish_open_pass()
         reader = self._wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
-        sup.passes_ended.discard(0)
-        reader.channel.send(StartPass(0))
-        self._pass_open = True
+        with critical():  # a pass asked for is a pass open: NOTE [ Ctrl-C ]
+            sup.passes_ended.discard(0)
+            reader.channel.send(StartPass(0))
+            self._pass_open = True
         while True:
             while not sup.ready and 0 not in sup.passes_ended:
                 self._show_filling()
                 self._pump()
             self._filled()
             if sup.ready:
-                yield self._deliver(*sup.ready.popleft())
+                with critical():
+                    batch = self._deliver(*sup.ready.popleft())
+                yield batch
             else:
                 sup.passes_ended.discard(0)
                 self._pass_open = False
@@ -126,8 +136,9 @@ class MultiprocessShuffledDataloader:
         sup = self._sup
         while self._pass_open:
             while sup.ready:
-                child, k = sup.ready.popleft()
-                sup.send_free(child, k)
+                with critical():
+                    child, k = sup.ready.popleft()
+                    sup.send_free(child, k)
             if 0 in sup.passes_ended:
                 sup.passes_ended.discard(0)
                 self._pass_open = False
@@ -157,11 +168,17 @@ class MultiprocessShuffledDataloader:
                 )  # fmt: skip
                 next_warning += _SLOW_WARNING_S
         self._filled()
-        return self._deliver(*sup.ready.popleft())
+        # Popped and handed over in one section: a batch popped and never made is a ring slot lost for good. A Ctrl-C
+        # meanwhile drops this batch on the way out, and its slot returns like any dropped batch's (NOTE [ Ctrl-C ]).
+        with critical():
+            return self._deliver(*sup.ready.popleft())
 
     def _show_filling(self) -> None:
         if self._first_batch_seen:
             return
+        if time.monotonic() > self._late_writers_due:
+            self._late_writers_due = float("inf")
+            _log_late_writers(self._sup)
         if self._progress is None:
             cfg = self.config
             self._progress = progress.FillProgress(
@@ -259,7 +276,10 @@ class MultiprocessShuffledDataloader:
         (NOTE [ Node lock budget ] in shm/slottable.py)."""
         self._check_open()
         table = self._sup.table()
-        return LockUsage(0.0, 0) if table is None else table.lock_usage()
+        if table is None:
+            return LockUsage(0.0, 0)
+        with critical(blocking=True):
+            return table.lock_usage()
 
     def evict(self, indices: torch.Tensor | npt.ArrayLike) -> int:
         """Return slots to the writers (``evict_on_read=False`` only); returns how many were evicted.
@@ -282,7 +302,8 @@ class MultiprocessShuffledDataloader:
             return 0
         table = self._wait_for(self._sup.table, "the slot table")
         ids = np.unique(ids)
-        return int(table.evict(ids, self._versions[ids], wait_s=_LOCK_PATIENCE_S))
+        with critical(blocking=True):  # the node lock is held only inside: NOTE [ Ctrl-C ]
+            return int(table.evict(ids, self._versions[ids], wait_s=_LOCK_PATIENCE_S))
 
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
@@ -373,7 +394,8 @@ class MultiprocessShuffledDataloader:
         if self._progress is not None:
             self._progress.finish(reached=False)
             self._progress = None
-        self._finalizer()
+        with critical():  # a Ctrl-C meanwhile is raised once every process is stopped (NOTE [ Ctrl-C ])
+            self._finalizer()
 
     def __enter__(self) -> MultiprocessShuffledDataloader:
         return self
@@ -385,7 +407,10 @@ class MultiprocessShuffledDataloader:
 def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
     """The node's slot counts at one moment; all zero until a writer has published the buffer."""
     table = sup.table()
-    return ShuffleBufferStats(0, 0, 0) if table is None else table.stats(wait_s=_LOCK_PATIENCE_S)
+    if table is None:
+        return ShuffleBufferStats(0, 0, 0)
+    with critical(blocking=True):  # the node lock is held only inside: NOTE [ Ctrl-C ]
+        return table.stats(wait_s=_LOCK_PATIENCE_S)
 
 
 def _counts(sup: Supervisor) -> ShuffleBufferStats:
@@ -402,6 +427,18 @@ def _stopped_lock_holder(sup: Supervisor) -> str:
     return f"; the node's slot-table lock is held by {describe_process(holder)}"
 
 
+def _log_late_writers(sup: Supervisor) -> None:
+    late = sorted(c.index for c in sup.writers() if c.index not in sup.mix_shares)
+    if late:
+        cfg = sup.config
+        log.warning(
+            "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
+            "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
+            "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
+            cfg.queue_name, cfg.global_rank, late, share(cfg), FIRST_MIX_WAIT_S, FIRST_MIX_WAIT_S,
+        )  # fmt: skip
+
+
 def _full_slots(sup: Supervisor) -> int:
     sup.raise_if_failed()
     return _counts(sup).full
@@ -410,7 +447,39 @@ def _full_slots(sup: Supervisor) -> int:
 def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
     """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop
     (NOTE [ Shutdown ] in trainer/supervisor.py)."""
-    try:
-        placement.close()
-    finally:
-        sup.shutdown()
+    with critical(deliver=False):  # whether closed, collected or run at exit: NOTE [ Ctrl-C ]
+        try:
+            placement.close()
+        finally:
+            sup.shutdown()
+            interrupts.uninstall()
+
+
+# NOTE [ Loaders at exit ]
+# A loader never closed is closed at interpreter exit by this module's atexit hook, not by weakref.finalize's own:
+# atexit runs the last registered first, and the hook is registered after the first loader's finalizer exists (so
+# after weakref's), so it runs before weakref.finalize's exit pass. That pass runs the newest finalizers first,
+# among them those of the objects a loader made after itself: the node lock's, which closes the lock's fd, used to
+# run before the loader's shutdown, whose repair then failed with "OSError: [Errno 9] Bad file descriptor".
+_OPEN_LOADERS: set[weakref.finalize[Any, Any]] = set()
+_HOOKED = False
+
+
+def _at_exit(finalizer: weakref.finalize[Any, Any]) -> None:
+    global _HOOKED
+    for done in [f for f in _OPEN_LOADERS if not f.alive]:
+        _OPEN_LOADERS.discard(done)
+    _OPEN_LOADERS.add(finalizer)
+    if not _HOOKED:
+        _HOOKED = True
+        atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    interrupts.set_exiting()  # a Ctrl-C from now on must not cut the teardown (NOTE [ Ctrl-C ])
+    with critical(deliver=False):
+        while _OPEN_LOADERS:
+            _OPEN_LOADERS.pop()()
+
+
+interrupts.protect(_close_at_exit.__code__)

@@ -25,6 +25,7 @@ import struct
 import threading
 from typing import Any
 
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import BatchReady, FreeSlot
 
 _HEADER = struct.Struct("<QB")  # payload length, number of fds
@@ -61,7 +62,8 @@ class Channel:
             raise ValueError(f"at most {_MAX_FDS} fds per message, got {len(fds)}")
         header = _HEADER.pack(len(payload), len(fds))
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        with self._send_lock:
+        # A Ctrl-C between the two sends would leave the stream out of frame (NOTE [ Ctrl-C ] in procs/interrupts.py).
+        with critical(), self._send_lock:
             # One syscall for the small messages of the hot path; sendall finishes what a full buffer cut off.
             sent = self.sock.sendmsg([header, payload], ancillary) - len(header)
             if sent < 0:
@@ -71,6 +73,10 @@ class Channel:
                 self.sock.sendall(payload[sent:])
 
     def recv_bytes(self) -> tuple[bytes, list[int]]:
+        with critical():  # read whole or not at all: NOTE [ Ctrl-C ] in procs/interrupts.py
+            return self._recv_message()
+
+    def _recv_message(self) -> tuple[bytes, list[int]]:
         msg, ancillary, _flags, _addr = self.sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(_MAX_FDS * 4))
         if not msg:
             raise ChannelClosed("peer closed the channel")

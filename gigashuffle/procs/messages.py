@@ -50,6 +50,12 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class MixShare:
+    """A writer has written its share of the node's first mix, or found the node reading already
+    (NOTE [ First mix ] in ``procs/firstmix.py``)."""
+
+
+@dataclass(frozen=True)
 class PassEnd:
     """A fill_once reader sent every batch of pass ``number``."""
 

@@ -43,12 +43,14 @@ from gigashuffle.control import dummyrow
 from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import NO_CONTEXT, Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.firstmix import FirstMix
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
 from gigashuffle.procs.messages import (
     Attached,
     DatasetState,
     Go,
     LoadState,
+    MixShare,
     Rejoin,
     Resume,
     SetContext,
@@ -277,6 +279,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
+    mix = FirstMix(env.config, table, env.spec.index)  # NOTE [ First mix ]
     control_due = 0.0  # when the trainer's messages are next read between chunks
     position, dataset = chunks.position, env.spec.dataset
     on_commit = position.committed if position.stateful else None  # NOTE [ Respawned writers ]
@@ -294,9 +297,19 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
             checkpoint's saved rows (position.restored counts them), else the chunk's (position.done)."""
             serial = position.serial
             while done < rows:
+                allowed = mix.allowed(rows - done)
+                if not allowed:  # its share of the first mix is in: wait for the node's first read
+                    pending.publish()
+                    reserved.give_back()
+                    _handle_control(env, chunks)
+                    if position.serial != serial:
+                        return  # a state was loaded: the rest of these rows is not part of the stream
+                    chores.tick()
+                    backoff.sleep()
+                    continue
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
-                    reserved.add(table.acquire_empty(me, rows - done))
+                    reserved.add(table.acquire_empty(me, allowed))
                     if not reserved.held():
                         if saved:
                             position.restored = done
@@ -309,10 +322,13 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                         backoff.sleep()
                         continue
                 backoff.reset()
-                slots = reserved.take(rows - done)
+                slots = reserved.take(allowed)
                 buffer.write(slots, as_bytes, done)
                 done += len(slots)
                 pending.add(slots)
+                mix.wrote(len(slots))
+                if mix.share_in():
+                    env.channel.send(MixShare())
 
         while True:
             if position.restore_rows is not None:

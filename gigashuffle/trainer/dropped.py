@@ -15,10 +15,18 @@ deadlock to construct, and the delay a reader sees is bounded by the batches the
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from gigashuffle.procs import interrupts
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.shm import buffer
+
+# The weakref callback that runs ``release_later``'s partial when a batch's last view dies, at any bytecode of the
+# caller: a Ctrl-C in it would lose the ring slot (NOTE [ Ctrl-C ] in procs/interrupts.py). shm/buffer.py exports no
+# name for it, so it is named here.
+interrupts.protect(buffer._released.__code__)
 
 
 def frees_per_message(ring_depth: int) -> int:
@@ -34,16 +42,14 @@ class DroppedBatches:
         self._unsent: dict[int, ChildProcess] = {}  # id(child) -> a child with slots in child.unsent
 
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
-        """The finalizer of a batch in ring slot ``k`` of ``child``."""
-
-        def release() -> None:
-            self._dropped.append((child, k))
-
-        return release
+        """The finalizer of a batch in ring slot ``k`` of ``child``: a C call with no Python frame of its own, so
+        no Ctrl-C can land between its start and the append (NOTE [ Ctrl-C ] in procs/interrupts.py)."""
+        return functools.partial(self._dropped.append, (child, k))
 
     def due(self, *, everything: bool) -> Iterator[tuple[ChildProcess, list[int]]]:
         """Drain the dropped batches; yield each reader's slots that are due to go back now (all of them, with
-        ``everything``), in one list per reader."""
+        ``everything``), in one list per reader. The caller runs the whole loop in one ``critical()`` section: a
+        slot popped here and not yet sent is in no list."""
         dropped = self._dropped
         while dropped:
             child, k = dropped.popleft()

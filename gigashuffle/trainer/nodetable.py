@@ -21,6 +21,7 @@ from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verifie
 from gigashuffle.errors import AttachError, GigashuffleError
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
@@ -49,17 +50,20 @@ class TableView:
     def get(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
         if self._table is None and "hmac" in self._session.store.meta():
-            queue = self._config.queue_name
-            try:
-                buffer_fd, table_fd = fetch_node_fds(self._session.store, queue, _ATTACH_TABLE_S)
-            except AttachError as exc:
-                log.debug("slot table not mapped yet: %s", exc)
-                return None
-            os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
-            slots = self._config.shuffle_size
-            self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
-            self._keep_meta()
+            with critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
+                self._map()
         return self._table
+
+    def _map(self) -> None:
+        try:
+            buffer_fd, table_fd = fetch_node_fds(self._session.store, self._config.queue_name, _ATTACH_TABLE_S)
+        except AttachError as exc:
+            log.debug("slot table not mapped yet: %s", exc)
+            return
+        os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
+        slots = self._config.shuffle_size
+        self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+        self._keep_meta()
 
     def rows(self) -> SlotBuffer:
         """The node's buffer itself, mapped on first use: the trainer reads rows from it only for a checkpoint."""
@@ -67,11 +71,12 @@ class TableView:
             store = self._session.store
             meta = store.meta()
             layout = verified_layout(self._secret, store.generation, meta, self._config.queue_name)
-            buffer_fd, table_fd = fetch_node_fds(store, self._config.queue_name, self._config.redis_timeout_s)
-            os.close(table_fd)
-            nbytes = int(meta["nbytes"])
-            self._buffer = SlotBuffer(layout, self._config.shuffle_size, SharedMemory(nbytes, buffer_fd))
-            self._buffer.memory.close_fd()
+            with critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
+                buffer_fd, table_fd = fetch_node_fds(store, self._config.queue_name, self._config.redis_timeout_s)
+                os.close(table_fd)
+                nbytes = int(meta["nbytes"])
+                self._buffer = SlotBuffer(layout, self._config.shuffle_size, SharedMemory(nbytes, buffer_fd))
+                self._buffer.memory.close_fd()
         return self._buffer
 
     def counts(self) -> NodeCounts | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from gigashuffle.procs import interrupts
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.trainer.cudaops import Event
 
 
@@ -21,6 +23,10 @@ class Ticket:
 
     def dropped(self) -> None:
         self._dropped.append(self)  # deque.append is atomic: nothing else is safe in a finalizer of any thread
+
+
+# A batch's views may die at any bytecode of the main thread: NOTE [ Ctrl-C ] in procs/interrupts.py.
+interrupts.protect(Ticket.dropped.__code__)
 
 
 class ReleaseQueue:
@@ -55,6 +61,11 @@ class ReleaseQueue:
     def poll(self, wait: bool = False) -> int:
         """Release every slot whose copies are done; with ``wait``, block for the oldest if none is. Returns how
         many were released."""
+        # One section: a ticket released and still in _pending would be released twice (NOTE [ Ctrl-C ]).
+        with critical():
+            return self._poll(wait)
+
+    def _poll(self, wait: bool) -> int:
         self._collect()
         released = 0
         waiting: deque[Ticket] = deque()
@@ -75,12 +86,13 @@ class ReleaseQueue:
 
     def drain(self) -> None:
         """Wait for every pending copy and release its slot (at close: memory must not be unmapped under a DMA)."""
-        self._collect()
-        while self._pending:
-            ticket = self._pending.popleft()
-            if ticket.event is not None:
-                ticket.event.synchronize()
-            ticket.release()
+        with critical():
+            self._collect()
+            while self._pending:
+                ticket = self._pending.popleft()
+                if ticket.event is not None:
+                    ticket.event.synchronize()
+                ticket.release()
 
 
 class AllOf:

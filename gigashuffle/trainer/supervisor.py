@@ -72,6 +72,7 @@ from gigashuffle.errors import GigashuffleError, NodeLockBusy, QueueStateLostErr
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.channel import ChannelClosed
 from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec, proc_name
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import (
     Attached,
     BatchReady,
@@ -79,6 +80,7 @@ from gigashuffle.procs.messages import (
     DatasetState,
     FreeSlot,
     Go,
+    MixShare,
     PassEnd,
     Pause,
     Paused,
@@ -138,6 +140,7 @@ class Supervisor:
         self.cutting = False  # a checkpoint's cut is on: children started now start paused
         self.last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
+        self.mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
@@ -220,11 +223,16 @@ class Supervisor:
         for child in live:
             if child.channel in readable:
                 self._drain(child)
-        for event in self.zygote.events():
-            self._on_zygote_event(event)
+        self._handle_zygote_events()
         if self.session.lost is not None and self.failure is None:
             self._rejoin(self.session.lost)
         self.raise_if_failed()
+
+    def _handle_zygote_events(self) -> None:
+        # Read and handled in one section: an event read and dropped is a child never known dead (NOTE [ Ctrl-C ]).
+        with critical():
+            for event in self.zygote.events():
+                self._on_zygote_event(event)
 
     def _forget_dead(self) -> None:
         """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to
@@ -247,8 +255,9 @@ class Supervisor:
     def _drain(self, child: ChildProcess) -> None:
         try:
             while child.channel.poll(0):
-                message, fds = child.channel.recv()
-                self._on_message(child, message, fds)
+                with critical():  # a message read by half leaves the stream out of frame (NOTE [ Ctrl-C ])
+                    message, fds = child.channel.recv()
+                    self._on_message(child, message, fds)
         except (ChannelClosed, ConnectionError):
             return  # the zygote reports the exit status; the error text, if any, was read above
 
@@ -276,6 +285,8 @@ class Supervisor:
             self.paused.add(child.seq)
         elif isinstance(message, PassEnd):
             self.passes_ended.add(message.number)
+        elif isinstance(message, MixShare):
+            self.mix_shares.add(child.index)
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
@@ -362,8 +373,7 @@ class Supervisor:
 
     def _learn_pids(self) -> None:
         try:
-            for event in self.zygote.events():  # learn the pids of children spawned since the last pump
-                self._on_zygote_event(event)
+            self._handle_zygote_events()  # learn the pids of children spawned since the last pump
         except GigashuffleError as exc:
             log.warning("%s", exc)
 
@@ -415,10 +425,11 @@ class Supervisor:
     def flush_frees(self, *, everything: bool = True) -> None:
         """Hand the ring slots of batches the caller dropped back to their readers, one message per reader; without
         ``everything``, only the slots that are due (NOTE [ Batched frees ])."""
-        for child, ks in self.dropped.due(everything=everything):
-            self.send_free(child, *ks)
-        if self._dead:
-            self._forget_dead()
+        with critical():  # a slot drained from the queue and not yet sent is in no list (NOTE [ Ctrl-C ])
+            for child, ks in self.dropped.due(everything=everything):
+                self.send_free(child, *ks)
+            if self._dead:
+                self._forget_dead()
 
     def send_free(self, child: ChildProcess, *ks: int) -> None:
         if not child.alive:
@@ -456,8 +467,13 @@ class Supervisor:
 
     # -- teardown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every child and release every resource (NOTE [ Shutdown ]); safe to call twice and from a
-        finalizer."""
+        """Stop every child and release every resource (NOTE [ Shutdown ]); safe to call twice and from a finalizer.
+        A Ctrl-C meanwhile
+        waits for the end of it (NOTE [ Ctrl-C ]): a teardown stopped half way leaves processes and Redis keys."""
+        with critical(deliver=False):
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self.closed:
             return
         self.closed = True

@@ -97,6 +97,21 @@ class SlowUniqueIds(UniqueIds):
             yield chunk
 
 
+class LateUniqueIds(UniqueIds):
+    """``UniqueIds`` whose writers with ``get_worker_info().id`` in ``late`` sleep ``late_s`` before their first
+    chunk: a writer whose source is slow to start (NOTE [ First mix ] in procs/firstmix.py)."""
+
+    def __init__(self, chunk: int = 8, late: Sequence[int] = (1,), late_s: float = 1.0) -> None:
+        super().__init__(chunk)
+        self.late = tuple(late)
+        self.late_s = late_s
+
+    def __iter__(self) -> Iterator[Chunk]:
+        if _worker()[0] in self.late:
+            time.sleep(self.late_s)
+        yield from super().__iter__()
+
+
 class FiniteUniqueIds(UniqueIds):
     """Exactly ``rows`` unique ids per writer (counters ``0 .. rows - 1``), then nothing more, ever.
 

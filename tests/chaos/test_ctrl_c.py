@@ -1,0 +1,138 @@
+"""Ctrl-C in a training script (NOTE [ Ctrl-C ] in procs/interrupts.py, NOTE [ Loaders at exit ] in loader.py).
+
+Real interpreters run tests/chaos/ctrl_c_script.py: a SIGINT storm against a trainer that catches
+``KeyboardInterrupt`` and goes on, a script that exits without ``close()``, and one interrupted without ``with``
+and then interrupted again and again while it tears down at exit. Each checks what the user would see on stderr
+and what the loader leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from timing import startup_deadline
+
+import gigashuffle
+
+SCRIPT = Path(__file__).with_name("ctrl_c_script.py")
+REPO_ROOT = Path(gigashuffle.__file__).resolve().parent.parent
+DEADLINE_S = startup_deadline(120.0, startups=40)
+NOISE = ("Exception ignored", "Bad file descriptor", "Traceback (most recent call last)")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("GIGASHUFFLE_REDIS_URL", None)  # the no-close scripts use the embedded server
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _queue() -> str:
+    return f"ctrlc-{uuid.uuid4().hex[:8]}"
+
+
+def _closed_line(stderr: str) -> bool:
+    return "loader of ctrlc-" in stderr and " closed (pid " in stderr
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
+    """The pids still running (zombies count as gone: their parent is the exited script) after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    alive = pids
+    while alive and time.monotonic() < end:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_sigint_storm_leaves_a_loader_that_delivers(redis_url: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "storm", redis_url, _queue(), "6", "30"],
+        env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    detail = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, detail
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["caught"] >= 200, f"too few interrupts landed to mean anything:\n{detail}"
+    assert result["rings_whole"], f"ring slots lost to an interrupt (ready by reader vs depth):\n{detail}"
+    assert result["held"] == [0, 0], f"the trainer counts batches as held that nobody holds:\n{detail}"
+    assert result["lock_free"], f"the node lock stayed held after the storm:\n{detail}"
+    assert result["after"] == 200, f"the loader stopped delivering after the storm:\n{detail}"
+    for noise in NOISE:
+        assert noise not in proc.stderr, detail
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_exit_without_close_tears_down_silently() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "no_close", _queue()],
+        env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    detail = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and "DONE" in proc.stdout, detail
+    for noise in NOISE:
+        assert noise not in proc.stderr, detail
+    assert _closed_line(proc.stderr), f"the teardown at exit did not run to its end:\n{detail}"
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "interrupted", _queue()],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    traceback_done = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.strip() == "KeyboardInterrupt":  # the last line of the script's traceback
+                traceback_done.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    sent = 0
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the script prints it within DEADLINE_S or dies (then this returns "")
+        assert line.startswith("READY "), line
+        pids = json.loads(line.split(" ", 1)[1])
+        proc.send_signal(signal.SIGINT)  # interrupts the loop: the traceback, then the teardown at exit
+        sent += 1
+        # The next ones land in the teardown (a second Ctrl-C while Python prints the first one's traceback would
+        # cut that printing: Python's own, not the loader's).
+        assert traceback_done.wait(DEADLINE_S), "".join(lines)
+        rnd = random.Random(1)
+        end = time.monotonic() + DEADLINE_S
+        while proc.poll() is None and time.monotonic() < end:
+            proc.send_signal(signal.SIGINT)
+            sent += 1
+            time.sleep(rnd.uniform(0.001, 0.01))
+        proc.wait(DEADLINE_S)
+        reader.join(DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(lines)
+    detail = f"exit code {proc.returncode}, {sent} SIGINTs\n--- stderr\n{stderr[-6000:]}"
+    assert "Ctrl-C at interpreter exit: ignored" in stderr, f"no SIGINT landed in the teardown:\n{detail}"
+    # The script's own KeyboardInterrupt traceback is what the user asked for; nothing else may be printed.
+    assert stderr.count("KeyboardInterrupt") == 1 and "Exception ignored" not in stderr, detail
+    assert "Bad file descriptor" not in stderr, detail
+    assert _closed_line(stderr), f"the teardown at exit did not run to its end:\n{detail}"
+    assert _wait_gone(pids, 10.0) == [], f"processes outlived the script: {pids}\n{detail}"
