@@ -53,6 +53,7 @@ class ChildSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # the job's base seed (NOTE [ Seeds ] in procs/seeds.py)
     start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
+    epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

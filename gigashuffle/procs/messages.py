@@ -80,6 +80,13 @@ class SetContext:
 
 
 @dataclass(frozen=True)
+class SetEpoch:
+    """Call ``dataset.set_epoch(epoch)`` in the writer (``loader.set_epoch``)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
 class LoadState:
     state: Any
 
@@ -98,4 +105,4 @@ class Rejoin:
 
 
 ToTrainer = RingReady | Attached | BatchReady | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | StateRequest | Rejoin
+ToChild = FreeSlot | StartPass | SetContext | SetEpoch | LoadState | StateRequest | Rejoin

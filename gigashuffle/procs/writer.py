@@ -45,10 +45,11 @@ from gigashuffle.errors import SchemaError
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.forgottenbuffer import find_served_buffer
-from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, StateRequest
+from gigashuffle.procs.messages import Attached, DatasetState, LoadState, Rejoin, SetContext, SetEpoch, StateRequest
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
 from gigashuffle.procs.seeds import writer_seed
 from gigashuffle.schema import Layout
+from gigashuffle.shm.counters import W_BLOCKED_S, W_CHUNKS, W_DATASET_S, W_ROWS, ChildCounters
 from gigashuffle.shm.picker import NO_IDS
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 
@@ -176,6 +177,9 @@ def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
         if isinstance(message, SetContext):
             dataset.context = message.context
             changed = True
+        elif isinstance(message, SetEpoch):
+            dataset.set_epoch(message.epoch)
+            changed = True
         elif isinstance(message, LoadState):
             dataset.load_state_dict(message.state)
             chunks.restart()
@@ -193,6 +197,8 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     _set_worker_info(spec)
     if spec.has_context:
         spec.dataset.context = spec.context
+    if spec.epoch is not None:
+        spec.dataset.set_epoch(spec.epoch)
     if spec.dataset_state is not None:
         spec.dataset.load_state_dict(spec.dataset_state)
     env = ChildEnv(spec, channel)
@@ -225,14 +231,18 @@ def _run(spec: ChildSpec, env: ChildEnv) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
-    env.channel.send(Attached())
+    counters = ChildCounters()  # NOTE [ Child counters ] in shm/counters.py: its fd travels with Attached
+    if counters.memory.fd is None:
+        raise AssertionError("new counters have no fd")
+    env.channel.send(Attached(), (counters.memory.fd,))
+    counters.memory.close_fd()
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
         dummyrow.publish_row(env.client, env.store.keys, env.secret, spec.generation, *env.dummy_row, env.proc)
-    _write_forever(env, chunks, chunk, layout)
+    _write_forever(env, chunks, chunk, layout, counters)
 
 
-def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
+def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, counters: ChildCounters) -> None:
     buffer, table = env.buffer, env.table
     if buffer is None or table is None:
         raise AssertionError("writer has no buffer after attach")
@@ -241,6 +251,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
+    cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
     with PendingRows(table, me) as pending:
 
@@ -256,10 +267,12 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
                     reserved.add(table.acquire_empty(me, rows - done))
-                    if not reserved.held():
+                    if not reserved.held():  # the buffer is full: this writer is blocked on the readers
+                        blocked_since = time.monotonic()
                         _handle_control(env, chunks)
                         chores.tick()
                         backoff.sleep()
+                        cells[W_BLOCKED_S] += time.monotonic() - blocked_since
                         continue
                 backoff.reset()
                 slots = reserved.take(rows - done)
@@ -274,7 +287,11 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 control_due = now + _CONTROL_PERIOD_S
                 chores.tick()
                 _handle_control(env, chunks)
+            cells[W_ROWS] += rows
+            cells[W_CHUNKS] += 1
+            asked = time.monotonic()
             chunk = chunks.next()
+            cells[W_DATASET_S] += time.monotonic() - asked
 
 
 class _Reservation:

@@ -69,6 +69,7 @@ from gigashuffle.procs.seeds import base_seed
 from gigashuffle.procs.zygoteclient import ChildProcess, Zygote
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
+from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer.dropped import DroppedBatches
 from gigashuffle.trainer.nodetable import TableView
@@ -107,7 +108,9 @@ class Supervisor:
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
+        self.restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
         self.context: tuple[bool, Any] = (False, None)
+        self.epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
         self.dataset_states: list[Any] | None = None
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
@@ -151,6 +154,7 @@ class Supervisor:
             dataset_state=self.dataset_states[index] if role == "writer" and self.dataset_states else None,
             seed=self.seed,
             start=start,
+            epoch=self.epoch if role == "writer" else None,
         )
         try:
             return dumps_by_value(spec)
@@ -191,9 +195,13 @@ class Supervisor:
         for child in self.children:
             if child.alive or child.superseded or child.held > 0 or id(child) in waiting:
                 kept.append(child)
-            elif child.ring is not None:
-                child.ring.close()  # views the caller still holds keep their pages mapped
-                child.ring = None
+            else:
+                if child.ring is not None:
+                    child.ring.close()  # views the caller still holds keep their pages mapped
+                    child.ring = None
+                if child.counters is not None:
+                    child.counters.close()
+                    child.counters = None
         self.children = kept
         self._dead = sum(not child.alive for child in kept)
 
@@ -217,8 +225,10 @@ class Supervisor:
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
             child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
+            self._map_counters(child, fds[1:])
             self._on_attached(child)
         elif isinstance(message, Attached):
+            self._map_counters(child, fds)
             self._on_attached(child)
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
@@ -228,6 +238,20 @@ class Supervisor:
             self.passes_ended.add(message.number)
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
+
+    def _map_counters(self, child: ChildProcess, fds: list[int]) -> None:
+        """Map the child's counters page (NOTE [ Child counters ] in shm/counters.py); the fd is closed either way."""
+        if not fds:
+            return
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            counters = ChildCounters(fds[0])
+        except BaseException:
+            os.close(fds[0])
+            raise
+        counters.memory.close_fd()  # the mapping keeps the page
+        child.counters = counters
 
     def _on_zygote_event(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -264,6 +288,7 @@ class Supervisor:
                     self.session.lost = QueueStateLostError(f"{child.role} {child.index} found: {error}")
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
+            self.restarts += 1
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
@@ -401,6 +426,9 @@ class Supervisor:
         reaped = self._stop_children()
         for child in self.children:
             child.ring = None
+            if child.counters is not None:
+                child.counters.close()
+                child.counters = None
         self.ready.clear()
         self.dropped.clear()
         table = self.node_table.mapped
