@@ -98,9 +98,12 @@ class MetricsReader:
         readers = [(cells[c.pid], seen.children.get(c.pid)) for c in children if c.role == "reader" and c.pid in cells]
         gather, starved, fill_mean, fill_min, age_rows = _readers(readers, now, seen.at)
         fill_mean, fill_min = fill_mean / self.shuffle_size, fill_min / self.shuffle_size
-        lock_s, written = (0.0, 0) if table is None else (table.lock_usage().held_s, table.counts()[0])
-        if table is not None and math.isnan(fill_mean):  # no draw in the interval (a slow trainer): sample now
-            fill_mean = fill_min = table.counts()[2].full / self.shuffle_size
+        lock_s, written = 0.0, 0
+        if table is not None:
+            written, _read, slots = table.counts()
+            lock_s = table.lock_usage().held_s
+            if math.isnan(fill_mean):  # no draw in the interval (readers idle behind a slow trainer): sample now
+                fill_mean = fill_min = slots.full / self.shuffle_size
         node_rate = (written - seen.written) / dt
         for c in children:
             if c.role == "reader" and c.pid in cells and c.counters is not None:
