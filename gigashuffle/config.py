@@ -24,6 +24,7 @@ _URL_FIX = "use redis://host:port/db, rediss://... or unix:///path/to.sock"
 REDIS_URL_ENV = "GIGASHUFFLE_REDIS_URL"
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
+BATCH_FORMATS = ("list", "dict")
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
 
@@ -86,6 +87,11 @@ class DataloaderConfig:
     then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     ``ring_depth`` is how many batches each reader keeps in flight; None picks 4 to 8 by batch size (see
     :func:`gigashuffle.shm.buffer.ring_depth_for`).
+    Batches that drop into a model: ``batch_format="dict"`` yields the one group of a chunk as a plain ``dict``
+    instead of a one-element list (chunks with several groups are refused when the first batch arrives);
+    ``index_key=False`` leaves ``INDEX_KEY`` out of every batch (it is needed with ``evict_on_read=False``);
+    ``steps_per_epoch=N`` makes each ``iter(loader)`` yield N batches and ``len(loader)`` return N, for
+    schedulers and frameworks that ask for a length (the stream goes on where the last epoch stopped).
     """
 
     bs: int
@@ -112,6 +118,9 @@ class DataloaderConfig:
     seed: int | None = None
     pin_memory: bool = False
     device: str | torch.device | None = None
+    batch_format: str = "list"
+    index_key: bool = True
+    steps_per_epoch: int | None = None
 
     @classmethod
     def from_env(cls, **fields: Any) -> DataloaderConfig:
@@ -142,6 +151,7 @@ class DataloaderConfig:
         self._check_ranges()
         self._check_ranks()
         self._check_modes()
+        self._check_batches()
         self._check_capacity()
         self._check_redis()
         self._check_device()
@@ -244,6 +254,26 @@ class DataloaderConfig:
             raise _fail("num_readers", self.num_readers, "fill_once=True yields one ordered pass: use 1")
         if self.min_mixing != 1:
             raise _fail("min_mixing", self.min_mixing, "fill_once=True waits for a full buffer: use 1")
+
+    def _check_batches(self) -> None:
+        if self.batch_format not in BATCH_FORMATS:
+            raise _fail(
+                "batch_format",
+                self.batch_format,
+                "use 'list' (a list of one dict per group, as the dataset's chunks) or 'dict' (the one group's dict)",
+            )
+        if not self.index_key and not self.evict_on_read:
+            raise _fail(
+                "index_key", False, "evict_on_read=False needs the slot indices to evict(): leave index_key=True"
+            )
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise _fail("steps_per_epoch", self.steps_per_epoch, "use a positive number of batches, or None")
+        if self.steps_per_epoch is not None and self.fill_once:
+            raise _fail(
+                "steps_per_epoch",
+                self.steps_per_epoch,
+                "a fill_once pass has its own length (shuffle_size // local_world_size // bs): leave it None",
+            )
 
     def _check_capacity(self) -> None:
         need = self.bs * self.local_world_size

@@ -26,12 +26,13 @@ from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import interrupts
 from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
 from gigashuffle.procs.interrupts import critical
-from gigashuffle.procs.messages import SetContext, StartPass
+from gigashuffle.procs.messages import SetContext, SetEpoch, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
-from gigashuffle.schema import Layout
+from gigashuffle.schema import INDEX_KEY, Layout
 from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer import datasetstate, pinning, progress
+from gigashuffle.trainer.metrics import LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,26 @@ class MultiprocessShuffledDataloader:
         self._progress: progress.FillProgress | None = None
         self._first_batch_seen = False
         self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
+        self._metrics = MetricsReader(config.queue_name, config.global_rank, config.shuffle_size, config.bs)
+        self.epoch: int | None = None  # the last set_epoch()
 
     # -- iteration -------------------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Batch]:
+    def __len__(self) -> int:
+        """Batches per ``iter(loader)``: ``steps_per_epoch``, or a fill_once pass's length; else a TypeError, as
+        for any iterable without a length (frameworks read that as an endless loader)."""
+        cfg = self.config
+        if cfg.fill_once:
+            return cfg.shuffle_size // cfg.local_world_size // cfg.bs
+        if cfg.steps_per_epoch is None:
+            raise TypeError(
+                "this loader streams without end, so it has no len(); set DataloaderConfig.steps_per_epoch=N to "
+                "make each iter(loader) yield N batches and len(loader) return N"
+            )
+        return cfg.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches as ``list[dict]`` (one dict per group of the dataset's chunks), or a ``dict`` with
+        ``DataloaderConfig.batch_format="dict"``; with ``steps_per_epoch``, that many per ``iter()``."""
         if self.config.num_readers == 0:
             raise GigashuffleError(
                 f"queue {self.config.queue_name!r} rank {self.config.global_rank}: this loader has "
@@ -105,11 +123,15 @@ class MultiprocessShuffledDataloader:
             return self._one_pass()
         return self._stream()
 
-    def _stream(self) -> Iterator[Batch]:
-        while True:
+    def _stream(self) -> Iterator[Any]:
+        steps = self.config.steps_per_epoch
+        if steps is None:
+            while True:
+                yield self._next_batch()
+        for _ in range(steps):
             yield self._next_batch()
 
-    def _one_pass(self) -> Iterator[Batch]:
+    def _one_pass(self) -> Iterator[Any]:
         sup = self._sup
         self._finish_open_pass()
         reader = self._wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
@@ -145,7 +167,7 @@ class MultiprocessShuffledDataloader:
             else:
                 sup.pump()
 
-    def _next_batch(self) -> Batch:
+    def _next_batch(self) -> Any:
         sup = self._sup
         self._check_open()
         sup.say_go()
@@ -154,24 +176,34 @@ class MultiprocessShuffledDataloader:
         # [ Batched frees ]).
         self._placement.poll()
         sup.flush_frees(everything=not sup.ready)
-        waited_since = time.monotonic()
-        next_warning = waited_since + _SLOW_WARNING_S
-        while not sup.ready:
-            self._show_filling()
-            self._pump()
-            if time.monotonic() > next_warning:
-                # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
-                log.warning(
-                    "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
-                    self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
-                    self.config.min_full_slots, _stopped_lock_holder(sup),
-                )  # fmt: skip
-                next_warning += _SLOW_WARNING_S
+        if not sup.ready:
+            self._wait_for_batch()
         self._filled()
         # Popped and handed over in one section: a batch popped and never made is a ring slot lost for good. A Ctrl-C
         # meanwhile drops this batch on the way out, and its slot returns like any dropped batch's (NOTE [ Ctrl-C ]).
         with critical():
             return self._deliver(*sup.ready.popleft())
+
+    def _wait_for_batch(self) -> None:
+        """Pump until a batch is ready: the trainer's wait, timed for metrics() and named in profiler traces."""
+        sup = self._sup
+        waited_since = time.monotonic()
+        next_warning = waited_since + _SLOW_WARNING_S
+        try:
+            with torch.profiler.record_function("gigashuffle.wait"):
+                while not sup.ready:
+                    self._show_filling()
+                    self._pump()
+                    if time.monotonic() > next_warning:
+                        # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
+                        log.warning(
+                            "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
+                            self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
+                            self.config.min_full_slots, _stopped_lock_holder(sup),
+                        )  # fmt: skip
+                        next_warning += _SLOW_WARNING_S
+        finally:
+            self._metrics.wait_s += time.monotonic() - waited_since
 
     def _show_filling(self) -> None:
         if self._first_batch_seen:
@@ -213,7 +245,25 @@ class MultiprocessShuffledDataloader:
         else:
             self._sup.pump()
 
-    def _deliver(self, child: ChildProcess, k: int) -> Batch:
+    def _deliver(self, child: ChildProcess, k: int) -> Any:
+        self._metrics.batches += 1
+        return self._shape(self._deliver_list(child, k))
+
+    def _shape(self, batch: Batch) -> Any:
+        """The batch as the config asks: without INDEX_KEY, and as the one group's dict (both cost a dict op)."""
+        cfg = self.config
+        if not cfg.index_key:
+            del batch[0][INDEX_KEY]
+        if cfg.batch_format == "list":
+            return batch
+        if len(batch) != 1:
+            raise ValueError(
+                f"DataloaderConfig.batch_format='dict' is invalid for queue {cfg.queue_name!r}: the dataset's chunks "
+                f"have {len(batch)} groups, and a dict holds one; use batch_format='list' or yield one group"
+            )
+        return batch[0]
+
+    def _deliver_list(self, child: ChildProcess, k: int) -> Batch:
         ring = child.ring
         if ring is None:
             raise AssertionError("a batch arrived before its reader's ring")
@@ -249,7 +299,7 @@ class MultiprocessShuffledDataloader:
         return found
 
     # -- the rest of the API ---------------------------------------------------------------------------------
-    def get_dummy_batch(self, timeout_s: float | None = None) -> Batch:
+    def get_dummy_batch(self, timeout_s: float | None = None) -> Any:
         """A batch of ``bs`` copies of the first row of writer 0 of the node's first rank (global rank 0 on node 0),
         for warm-up before the buffer is mixed; it waits for that writer's first chunk (NOTE [ Dummy row ]).
 
@@ -262,7 +312,15 @@ class MultiprocessShuffledDataloader:
             self._dummy = dummyrow.await_row(
                 self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s
             )
-        return self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs))
+        return self._shape(self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs)))
+
+    def metrics(self) -> LoaderMetrics:
+        """This rank's loader figures, read without the node lock or Redis: totals since it was built, rates and
+        shares since the previous call (NOTE [ Metrics ] in trainer/metrics.py; docs/waiting-on-data.md reads
+        them). ``.to_prometheus()`` renders them in the Prometheus text format."""
+        self._check_open()
+        sup = self._sup
+        return self._metrics.read(sup.children, sup.table(), sup.restarts)
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""
@@ -310,6 +368,22 @@ class MultiprocessShuffledDataloader:
         self._check_open()
         self._sup.context = context
         self._sup.send_to_writers(SetContext(context))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call ``dataset.set_epoch(epoch)`` in every writer of this rank (now, and in writers started later), as
+        ``attach_training_context`` hands over a context; the writers' current passes go on, and the next pass
+        of each sees the epoch. A dataset without ``set_epoch`` is left alone (frameworks call this on every
+        loader)."""
+        self._check_open()
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise TypeError(f"set_epoch(epoch={epoch!r}) needs an int")
+        if epoch < 0:
+            raise ValueError(f"set_epoch(epoch={epoch}) is invalid: use an epoch number >= 0")
+        self.epoch = epoch
+        if not callable(getattr(self.dataset, "set_epoch", None)):
+            return
+        self._sup.epoch = epoch
+        self._sup.send_to_writers(SetEpoch(epoch))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers

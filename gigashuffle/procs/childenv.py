@@ -72,6 +72,7 @@ class ChildSpec:
         "",
         (),
     )  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
+    epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

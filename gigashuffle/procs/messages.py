@@ -109,6 +109,13 @@ class SetContext:
 
 
 @dataclass(frozen=True)
+class SetEpoch:
+    """Call ``dataset.set_epoch(epoch)`` in the writer (``loader.set_epoch``)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
 class LoadState:
     """Load ``state`` into the dataset, skip the ``skip`` rows after it, and count commits under ``serial``; also
     lets a writer that holds before its first rows go on (``Go``)."""
@@ -156,7 +163,7 @@ class Rejoin:
 
 
 ToTrainer = RingReady | Attached | Progress | BatchReady | Paused | PassEnd | DatasetState | ChildError
-ToChild = FreeSlot | StartPass | SetContext | LoadState | Go | StateRequest | Pause | Resume | Rejoin
+ToChild = FreeSlot | StartPass | SetContext | SetEpoch | LoadState | Go | StateRequest | Pause | Resume | Rejoin
 
 
 # -- trainer and its zygote (NOTE [ Why a zygote ] in procs/zygote.py) ------------------------------------------

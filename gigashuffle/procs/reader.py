@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 
 import numpy as np
@@ -46,6 +47,7 @@ from gigashuffle.procs.messages import (
     ToChild,
 )
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
+from gigashuffle.shm.counters import R_AGE_N, R_AGE_SUM, R_BATCHES, R_GATHER_S, R_STARVED_S, ChildCounters
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 log = logging.getLogger(__name__)
@@ -55,18 +57,20 @@ _IDLE_POLL_S = 0.5
 _HELD_ONE_IN = 8
 
 
-def _open_ring(env: ChildEnv) -> tuple[SlotBuffer, SlotTable, BatchRing]:
+def _open_ring(env: ChildEnv, counters: ChildCounters) -> tuple[SlotBuffer, SlotTable, BatchRing]:
     layout = env.attach_buffer()
     if env.buffer is None or env.table is None:
         raise AssertionError("reader has no buffer after attach")
     if env.table.slots != env.buffer.slots:  # _gather relies on it: every id the table hands out is a row
         raise AssertionError(f"slot table of {env.table.slots} slots for a buffer of {env.buffer.slots}")
     ring = BatchRing(layout, env.config.bs, ring_depth_for(env.config.ring_depth, layout, env.config.bs))
-    fd = ring.memory.fd
-    if fd is None:
-        raise AssertionError("a new ring has no fd")
-    env.channel.send(RingReady(ring.nbytes, layout.to_json(), ring.depth), (fd,))
+    fd, counters_fd = ring.memory.fd, counters.memory.fd
+    if fd is None or counters_fd is None:
+        raise AssertionError("a new ring or counters page has no fd")
+    # The counters' fd travels with the ring's: NOTE [ Child counters ] in shm/counters.py.
+    env.channel.send(RingReady(ring.nbytes, layout.to_json(), ring.depth), (fd, counters_fd))
     ring.memory.close_fd()
+    counters.memory.close_fd()
     return env.buffer, env.table, ring
 
 
@@ -97,16 +101,27 @@ def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild
 def run(spec: ChildSpec, channel: Channel) -> None:
     env = ChildEnv(spec, channel)
     try:
-        buffer, table, ring = _open_ring(env)
+        counters = ChildCounters()
+        buffer, table, ring = _open_ring(env, counters)
         if spec.config.fill_once:
             _serve_passes(env, buffer, table, ring)
         else:
-            _stream(env, buffer, table, ring)
+            _stream(env, buffer, table, ring, counters)
     finally:
         env.close()
 
 
-def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
+def _account_draw(counters: ChildCounters, table: SlotTable, versions: Versions | None) -> None:
+    """Per draw attempt (never per row): the buffer's fill and, for drawn rows, their age in rows written since."""
+    full, clock = table.full_and_clock()
+    counters.sample_fill(full)
+    if versions is not None and len(versions):
+        cells = counters.cells
+        cells[R_AGE_SUM] += clock * len(versions) - int(versions.sum())
+        cells[R_AGE_N] += len(versions)
+
+
+def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing, counters: ChildCounters) -> None:
     cfg = env.config
     me = os.getpid()
     bs, min_full, evict = cfg.bs, cfg.min_full_slots, cfg.evict_on_read  # min_full_slots is computed per access
@@ -115,11 +130,12 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     backoff = Backoff()
     chores = Housekeeping(env)
     drawn: tuple[SlotIds, Versions] | None = None  # the next batches' slots, drawn with the last release
+    cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     while True:
         others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
         if any(isinstance(m, Pause) for m in others):
             if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
-                _announce(env, buffer, table, ring, free, drawn, me, evict, 0)
+                _announce(env, buffer, table, ring, free, drawn, me, evict, 0, counters)
                 drawn = None
             _pause(env, free)
             continue
@@ -128,12 +144,15 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
             if not free:
                 continue
             drawn = draw_batches(table, me, bs, min(len(free), most), min_full)
-            if drawn is None:
+            _account_draw(counters, table, None if drawn is None else drawn[1])
+            if drawn is None:  # fewer full slots than the mixing threshold: starved by the writers
+                starved_since = time.monotonic()
                 backoff.sleep()
+                cells[R_STARVED_S] += time.monotonic() - starved_since
                 continue
         backoff.reset()
         want = min(len(free) - len(drawn[0]) // bs, most) * bs
-        drawn = _announce(env, buffer, table, ring, free, drawn, me, evict, want, min_full)
+        drawn = _announce(env, buffer, table, ring, free, drawn, me, evict, want, counters, min_full)
 
 
 def _announce(
@@ -146,6 +165,7 @@ def _announce(
     me: int,
     evict: bool,
     want: int,
+    counters: ChildCounters,
     min_full: int = 0,
 ) -> tuple[SlotIds, Versions] | None:
     """Gather the drawn slots into free ring slots, release them (drawing ``want`` more in the same hold of the
@@ -153,12 +173,17 @@ def _announce(
     bs = env.config.bs
     slots, versions = drawn
     ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
+    gather_since = time.monotonic()
     for i, k in enumerate(ring_slots):
         _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
+    cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
+    cells[R_GATHER_S] += time.monotonic() - gather_since
+    cells[R_BATCHES] += len(ring_slots)
     following: tuple[SlotIds, Versions] | None = None
     if want > 0:
         released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
         following = (next_slots, next_versions) if len(next_slots) else None
+        _account_draw(counters, table, next_versions)
     else:
         released = table.release_read(me, slots, evict)
     if released != len(slots):

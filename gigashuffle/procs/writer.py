@@ -54,12 +54,14 @@ from gigashuffle.procs.messages import (
     Rejoin,
     Resume,
     SetContext,
+    SetEpoch,
     StateRequest,
 )
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
 from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.workerinfo import become_worker
 from gigashuffle.schema import Layout
+from gigashuffle.shm.counters import W_BLOCKED_S, W_CHUNKS, W_DATASET_S, W_ROWS, ChildCounters
 from gigashuffle.shm.picker import NO_IDS
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 
@@ -184,6 +186,9 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
     if isinstance(message, SetContext):
         dataset.context = message.context
         return True
+    if isinstance(message, SetEpoch):
+        dataset.set_epoch(message.epoch)
+        return True
     if isinstance(message, LoadState):
         chunks.before_restart()
         dataset.load_state_dict(message.state)
@@ -214,6 +219,8 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     become_worker(spec.config, spec.index, spec.dataset, spec.seed, spec.start)
     if spec.context is not NO_CONTEXT:
         spec.dataset.context = spec.context
+    if spec.epoch is not None:
+        spec.dataset.set_epoch(spec.epoch)
     position = initial_position(
         spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows
     )
@@ -249,13 +256,17 @@ def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
-    env.channel.send(Attached(), position.fds())
+    counters = ChildCounters()  # NOTE [ Child counters ] in shm/counters.py: its fd travels first with Attached
+    if counters.memory.fd is None:
+        raise AssertionError("new counters have no fd")
+    env.channel.send(Attached(), (counters.memory.fd, *position.fds()))
+    counters.memory.close_fd()
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))
         dummyrow.publish_row(env.store, env.secret, spec.generation, *env.dummy_row, env.proc)
     if not _hold(env, chunks):
         chunk = None  # a state was loaded: the chunk taken for the layout is not part of the stream any more
-    _write_forever(env, chunks, chunk, layout)
+    _write_forever(env, chunks, chunk, layout, counters)
 
 
 def _hold(env: ChildEnv, chunks: _Chunks) -> bool:
@@ -270,7 +281,7 @@ def _hold(env: ChildEnv, chunks: _Chunks) -> bool:
     return chunks.position.serial == serial
 
 
-def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -> None:
+def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, counters: ChildCounters) -> None:
     buffer, table = env.buffer, env.table
     if buffer is None or table is None:
         raise AssertionError("writer has no buffer after attach")
@@ -280,6 +291,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
     mix = FirstMix(env.config, table, env.spec.index)  # NOTE [ First mix ]
+    cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
     position, dataset = chunks.position, env.spec.dataset
     on_commit = position.committed if position.stateful else None  # NOTE [ Respawned writers ]
@@ -310,7 +322,8 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 if not reserved.held():
                     pending.publish()  # before this writer takes more slots, or waits for them
                     reserved.add(table.acquire_empty(me, allowed))
-                    if not reserved.held():
+                    if not reserved.held():  # the buffer is full: this writer is blocked on the readers
+                        blocked_since = time.monotonic()
                         if saved:
                             position.restored = done
                         else:
@@ -320,6 +333,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                             return  # a state was loaded: the rest of these rows is not part of the stream
                         chores.tick()
                         backoff.sleep()
+                        cells[W_BLOCKED_S] += time.monotonic() - blocked_since
                         continue
                 backoff.reset()
                 slots = reserved.take(allowed)
@@ -335,9 +349,13 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout) -
                 _write_back(position, layout, pending, write)
             if chunk is None:
                 position.before_fetch(dataset, env.channel)
+                asked = time.monotonic()
                 chunk = chunks.next()
+                cells[W_DATASET_S] += time.monotonic() - asked
             rows, as_bytes = layout.rows_in(chunk)
             write(as_bytes, rows, position.take(rows))
+            cells[W_ROWS] += rows
+            cells[W_CHUNKS] += 1
             position.done = None
             per_commit = rows_per_commit(rows, buffer.slots)
             if pending.rows + rows > per_commit or reserved.held() < rows:  # NOTE [ Deferred commits ]

@@ -14,6 +14,7 @@ from gigashuffle.errors import GigashuffleError
 from gigashuffle.procs.channel import Channel, ChannelClosed
 from gigashuffle.procs.messages import Kill, Role, Spawn, ZygoteEvent
 from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.counters import ChildCounters
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ChildProcess:
     error_type: str = ""
     traceback_text: str = ""
     ring: BatchRing | None = None
+    counters: ChildCounters | None = None  # its metrics page (NOTE [ Child counters ] in shm/counters.py)
     held: int = 0  # batches of this child's ring that the caller still holds
     unsent: list[int] = field(default_factory=list)  # ring slots freed and not yet sent (NOTE [ Batched frees ])
     generation: str = ""  # the node session this child quotes

@@ -203,6 +203,12 @@ class SlotTable:
         """The node lock's total hold time and number of holds, from the header without the lock."""
         return LockUsage(int(self._header[H_HELD_NS]) / 1e9, int(self._header[H_HOLDS]))
 
+    def full_and_clock(self) -> tuple[int, int]:
+        """The full-slot count and the version clock (the last version handed out), from the header without the
+        lock: a reader's metrics sample (NOTE [ Child counters ] in shm/counters.py)."""
+        header = self._header
+        return int(header[H_FULL]), int(header[H_CLOCK])
+
     def lock_holder(self) -> int | None:
         """The pid holding the node lock now (from ``/proc/locks``), or None."""
         return self._lock.holder()

@@ -97,6 +97,7 @@ from gigashuffle.procs.seeds import base_seed
 from gigashuffle.procs.zygoteclient import ChildProcess, Zygote
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
+from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer.dropped import DroppedBatches
 from gigashuffle.trainer.nodetable import TableView
@@ -144,7 +145,9 @@ class Supervisor:
         self.failure: BaseException | None = None
         self.closed = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
+        self.restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
         self.context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
+        self.epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
@@ -195,6 +198,7 @@ class Supervisor:
             serial=serial,
             go=self.go and not self.cutting,
             saved_rows=saved,
+            epoch=self.epoch if role == "writer" else None,
         )
         try:
             return dumps_by_value(spec)
@@ -242,9 +246,13 @@ class Supervisor:
         for child in self.children:
             if child.alive or child.superseded or child.held > 0 or id(child) in waiting:
                 kept.append(child)
-            elif child.ring is not None:
-                child.ring.close()  # views the caller still holds keep their pages mapped
-                child.ring = None
+            else:
+                if child.ring is not None:
+                    child.ring.close()  # views the caller still holds keep their pages mapped
+                    child.ring = None
+                if child.counters is not None:
+                    child.counters.close()
+                    child.counters = None
         self.children = kept
         self._dead = sum(not child.alive for child in kept)
 
@@ -269,11 +277,13 @@ class Supervisor:
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
             child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
+            self._map_counters(child, fds[1:])
             self.on_ring(child.ring)
             self._on_attached(child)
         elif isinstance(message, Attached):
+            self._map_counters(child, fds[:1])  # the counters' fd first, then a writer's commit counter
             if child.role == "writer":
-                self.resume.on_attached(child.index, fds)
+                self.resume.on_attached(child.index, fds[1:])
             self._on_attached(child)
         elif isinstance(message, Progress):
             self.resume.on_report(child.index, message)
@@ -289,6 +299,20 @@ class Supervisor:
             self.mix_shares.add(child.index)
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
+
+    def _map_counters(self, child: ChildProcess, fds: list[int]) -> None:
+        """Map the child's counters page (NOTE [ Child counters ] in shm/counters.py); the fd is closed either way."""
+        if not fds:
+            return
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            counters = ChildCounters(fds[0])
+        except BaseException:
+            os.close(fds[0])
+            raise
+        counters.memory.close_fd()  # the mapping keeps the page
+        child.counters = counters
 
     def _on_zygote_event(self, event: ZygoteEvent) -> None:
         if isinstance(event, Spawned):
@@ -326,6 +350,7 @@ class Supervisor:
                     self.session.lost = QueueStateLostError(f"{child.role} {child.index} found: {error}")
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
+            self.restarts += 1
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
@@ -480,6 +505,9 @@ class Supervisor:
         self._stop_children()
         for child in self.children:
             child.ring = None
+            if child.counters is not None:
+                child.counters.close()
+                child.counters = None
         self.ready.clear()
         self.dropped.clear()
         table = self.node_table.mapped

@@ -509,3 +509,23 @@ def wait_for(predicate: Any, what: str, deadline_s: float = DEADLINE_S, interval
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {deadline_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+# -- epochs (loader.set_epoch) ---------------------------------------------------------------------------------
+
+
+class EpochEcho(IterableDataset):  # type: ignore[type-arg]
+    """Rows carry ``epoch`` = the last ``set_epoch`` this writer's dataset took (``-1`` before any), per chunk."""
+
+    def __init__(self, chunk: int = 4) -> None:
+        self.chunk = chunk
+        self.epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Chunk]:
+        wid, _ = _worker()
+        for n in itertools.count(0, self.chunk):
+            ids = torch.arange(n, n + self.chunk, dtype=torch.int64) + wid * ID_STRIDE
+            yield [{"id": ids, "epoch": torch.full((self.chunk,), self.epoch, dtype=torch.int64)}]

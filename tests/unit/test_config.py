@@ -50,6 +50,14 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({**FILL_ONCE, "evict_on_read": False}, ValueError, "evict_on_read", False, "fill_once=True never evicts"),
     ({**FILL_ONCE, "num_readers": 2}, ValueError, "num_readers", 2, "fill_once=True yields one ordered pass"),
     ({**FILL_ONCE, "min_mixing": 0.5}, ValueError, "min_mixing", 0.5, "fill_once=True waits for a full buffer"),
+    # batches
+    ({"batch_format": "tuple"}, ValueError, "batch_format", "tuple", "use 'list'"),
+    ({"batch_format": 1}, TypeError, "batch_format", 1, "must be a str"),
+    ({"evict_on_read": False, "index_key": False}, ValueError, "index_key", False, "leave index_key=True"),
+    ({"index_key": 0}, TypeError, "index_key", 0, "must be True or False"),
+    ({"steps_per_epoch": 0}, ValueError, "steps_per_epoch", 0, "positive number of batches"),
+    ({"steps_per_epoch": 2.5}, TypeError, "steps_per_epoch", 2.5, "must be an int"),
+    ({**FILL_ONCE, "steps_per_epoch": 3}, ValueError, "steps_per_epoch", 3, "a fill_once pass has its own length"),
     # capacity
     ({**TWO_LOCAL, "shuffle_size": 7}, ValueError, "shuffle_size", 7, "bs * local_world_size = 8"),
     ({"bs": 8, "shuffle_size": 7}, ValueError, "shuffle_size", 7, "bs * local_world_size = 8"),

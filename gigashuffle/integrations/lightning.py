@@ -1,0 +1,95 @@
+"""PyTorch Lightning: a ``LightningDataModule`` whose loader state goes into Lightning's checkpoints, restored on
+every rank, and a callback that hands the epoch to the writers and logs ``loader.metrics()``.
+
+Lightning's fit loop saves the state of every train loader that has ``state_dict``/``load_state_dict`` (into the
+checkpoint's ``loops`` entry), asking every rank and writing rank 0's; ``train_dataloader()`` hands it a
+``StatefulLoader``, whose state is every rank's, gathered (NOTE [ Rank-keyed state ] in integrations/state.py).
+Install with ``pip install gigashuffle[lightning]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+
+from gigashuffle import MultiprocessShuffledDataloader
+from gigashuffle.integrations.state import StatefulLoader
+
+LoaderOrFactory = MultiprocessShuffledDataloader | Callable[[], MultiprocessShuffledDataloader]
+
+
+class GigashuffleDataModule(pl.LightningDataModule):  # type: ignore[misc,unused-ignore]
+    """Serves ``loader`` (or the loader ``make_loader()`` builds, on first use in each rank) as the train loader,
+    and closes it at teardown."""
+
+    def __init__(self, loader: LoaderOrFactory) -> None:
+        super().__init__()
+        if not isinstance(loader, MultiprocessShuffledDataloader) and not callable(loader):
+            raise TypeError(
+                f"GigashuffleDataModule(loader={loader!r}) needs a MultiprocessShuffledDataloader or a function that "
+                "builds one"
+            )
+        self._source = loader
+        self._loader: StatefulLoader | None = None
+
+    @property
+    def loader(self) -> MultiprocessShuffledDataloader:
+        if self._loader is None:
+            built = self._source if isinstance(self._source, MultiprocessShuffledDataloader) else self._source()
+            self._loader = StatefulLoader(built)
+        return self._loader.loader
+
+    def train_dataloader(self) -> StatefulLoader:
+        self.loader  # noqa: B018 (builds it)
+        if self._loader is None:
+            raise AssertionError("the loader was not built")
+        return self._loader
+
+    def teardown(self, stage: str) -> None:
+        if self._loader is not None and stage == "fit":
+            self._loader.loader.close()
+
+
+class GigashuffleCallback(pl.Callback):  # type: ignore[misc,unused-ignore]
+    """Each train epoch: ``loader.set_epoch(epoch)``; every ``log_every_n_steps`` steps: the loader's metrics
+    through ``pl_module.log_dict`` (prefix ``gigashuffle/``), on each rank's own logger."""
+
+    def __init__(self, log_every_n_steps: int = 50) -> None:
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise ValueError(f"GigashuffleCallback(log_every_n_steps={log_every_n_steps!r}) needs an int >= 1")
+        self.every = log_every_n_steps
+
+    @staticmethod
+    def _loader(trainer: pl.Trainer) -> MultiprocessShuffledDataloader | None:
+        loader = getattr(trainer, "train_dataloader", None)
+        return loader.loader if isinstance(loader, StatefulLoader) else None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = self._loader(trainer)
+        if loader is not None:
+            loader.set_epoch(trainer.current_epoch)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loader = self._loader(trainer)
+        if loader is None or (trainer.global_step % self.every):
+            return
+        m = loader.metrics()
+        figures = {
+            "wait_share": m.wait_share,
+            "rows_per_s": m.rows_per_s,
+            "writers_in_dataset": _mean([w.in_dataset for w in m.writers]),
+            "writers_blocked": _mean([w.blocked for w in m.writers]),
+            "lock_busy_share": m.lock_busy_share,
+            "fill_mean": m.fill_mean,
+        }
+        known = {f"gigashuffle/{k}": float(v) for k, v in figures.items() if not math.isnan(v)}
+        pl_module.log_dict(known, rank_zero_only=False)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

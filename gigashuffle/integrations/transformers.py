@@ -1,0 +1,89 @@
+"""Hugging Face ``Trainer``: the loader as the train dataloader, its state saved in every ``checkpoint-*`` and
+restored on resume.
+
+``GigashuffleTrainer(loader=..., args=..., model=...)`` is a ``Trainer`` whose ``get_train_dataloader()`` is the
+loader (use ``DataloaderConfig(batch_format="dict", index_key=False)`` so that ``model(**batch)`` gets only the
+dataset's fields, and ``steps_per_epoch`` or ``max_steps`` for the length). At each save, every rank's state is
+gathered (NOTE [ Rank-keyed state ] in integrations/state.py) and the main process writes it to
+``checkpoint-N/gigashuffle_loader.pt``; ``train(resume_from_checkpoint=...)`` restores each rank's part before
+training. The Trainer's own data skipping would replay batches on resume, so ``ignore_data_skip=True`` is required.
+Every ``logging_steps`` the loader's figures join the Trainer's logs as ``gigashuffle/...``.
+Install with ``pip install gigashuffle[transformers]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from gigashuffle import MultiprocessShuffledDataloader
+from gigashuffle.integrations.state import gather, load_rank_state, rank_state
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "gigashuffle_loader.pt"
+
+
+class GigashuffleTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any where transformers is absent
+    def __init__(self, *args: Any, loader: MultiprocessShuffledDataloader, **kwargs: Any) -> None:
+        if not isinstance(loader, MultiprocessShuffledDataloader):
+            raise TypeError(f"GigashuffleTrainer(loader=...) needs a MultiprocessShuffledDataloader, got {loader!r}")
+        super().__init__(*args, **kwargs)
+        if not self.args.ignore_data_skip:
+            raise ValueError(
+                "TrainingArguments.ignore_data_skip=False is invalid with a gigashuffle loader: on resume the Trainer "
+                "would draw and drop the batches of the steps already trained, while the loader resumes from its own "
+                "state; use TrainingArguments(ignore_data_skip=True)"
+            )
+        self.gigashuffle_loader = loader
+        self.add_callback(_LoaderState(loader))
+
+    def get_train_dataloader(self) -> Any:
+        return self.gigashuffle_loader
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:  # the Trainer's own rule, applied early to load the loader's state
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call,unused-ignore]
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if isinstance(resume_from_checkpoint, str):
+            load_loader_state(self.gigashuffle_loader, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+
+
+def load_loader_state(loader: MultiprocessShuffledDataloader, checkpoint: str) -> None:
+    path = os.path.join(checkpoint, STATE_FILE)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r} has no {STATE_FILE}: it was not saved by GigashuffleTrainer; "
+            "resume from one of its checkpoints, or start without resume_from_checkpoint"
+        )
+    merged = torch.load(path, weights_only=False)  # written by this job's main process (it holds dataset states)
+    load_rank_state(loader, merged)
+    log.info("gigashuffle: loader state restored from %s", path)
+
+
+class _LoaderState(TrainerCallback):  # type: ignore[misc,unused-ignore]
+    def __init__(self, loader: MultiprocessShuffledDataloader) -> None:
+        self.loader = loader
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        merged = gather(rank_state(self.loader))  # every rank calls on_save: the gather is a collective
+        if state.is_world_process_zero:
+            folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(merged, os.path.join(folder, STATE_FILE))
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: Any = None, **_: Any
+    ) -> None:
+        if not isinstance(logs, dict):
+            return
+        m = self.loader.metrics()
+        logs.update({"gigashuffle/wait_share": m.wait_share, "gigashuffle/rows_per_s": m.rows_per_s,
+                     "gigashuffle/lock_busy_share": m.lock_busy_share})  # fmt: skip

@@ -1,0 +1,67 @@
+"""Counters a writer or reader keeps in a page of shared memory for the trainer's ``loader.metrics()``.
+
+NOTE [ Child counters ]
+Each child creates one small memfd of float64 cells at start and hands its fd to its trainer with the message it
+sends once anyway (``Attached`` for a writer, ``RingReady`` for a reader). From then on the child adds to its cells
+once per chunk (writer) or per draw (reader), never per row, and the trainer reads them whenever ``metrics()`` is
+called: no lock, no message, no Redis. One process writes each cell and every cell is one aligned 8-byte word, so
+a read sees a value that was true at some moment; two cells read together may straddle one chunk or draw, which a
+rate over seconds does not notice. Times are ``time.monotonic()`` seconds, one clock for every process of a host.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from gigashuffle.shm.buffer import SharedMemory
+
+# Writer cells.
+W_STARTED = 0  # monotonic time the writer started counting
+W_ROWS = 1  # rows copied into the buffer
+W_DATASET_S = 2  # seconds inside the dataset's __iter__/__next__ (waiting for the next chunk)
+W_BLOCKED_S = 3  # seconds with rows to write and no empty slot (the buffer is full)
+W_CHUNKS = 4
+# Reader cells.
+R_STARTED = 0
+R_BATCHES = 1  # batches gathered into the ring
+R_GATHER_S = 2  # seconds copying rows out of the buffer into the ring
+R_STARVED_S = 3  # seconds with a free ring slot and too few full slots to draw (the mixing threshold)
+R_FILL_SUM = 4  # sum of the full-slot count seen at each draw attempt
+R_FILL_N = 5
+R_FILL_MIN = 6  # least full-slot count seen since the trainer last set R_FILL_RESET
+R_FILL_RESET = 7  # the trainer sets it to 1 after reading R_FILL_MIN; the reader's next sample starts afresh
+R_AGE_SUM = 8  # sum over drawn rows of (version clock at draw - the row's version): rows written since
+R_AGE_N = 9
+
+CELLS = 16
+NBYTES = CELLS * 8
+
+
+class ChildCounters:
+    """The cells of one child: made by the child (``fd`` None), mapped by the trainer from the fd it sent."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.memory = SharedMemory(NBYTES, fd, name="gigashuffle-counters")
+        self.cells: np.ndarray[Any, np.dtype[np.float64]] = self.memory.numpy_view(0, NBYTES).view(np.float64)
+        if fd is None:
+            self.cells[R_STARTED] = time.monotonic()  # W_STARTED is the same cell
+            self.cells[R_FILL_RESET] = 1.0
+
+    def read(self) -> np.ndarray[Any, np.dtype[np.float64]]:
+        """A copy of every cell (eight words: far cheaper than reading them one by one)."""
+        return self.cells.copy()
+
+    def sample_fill(self, full: int) -> None:
+        """Reader: account one sample of the buffer's full-slot count."""
+        cells = self.cells
+        cells[R_FILL_SUM] += full
+        cells[R_FILL_N] += 1
+        if cells[R_FILL_RESET] or full < cells[R_FILL_MIN]:
+            cells[R_FILL_MIN] = full
+            cells[R_FILL_RESET] = 0.0
+
+    def close(self) -> None:
+        self.memory.close()
