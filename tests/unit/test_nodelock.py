@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -284,3 +286,22 @@ def test_a_table_from_another_pid_namespace_is_refused_at_attach() -> None:
         SlotTable(8, memory)
     memory.close()
     table.close()
+
+
+_EXIT_SCRIPT = """
+import weakref
+from gigashuffle.shm.slottable import SlotTable
+class Owner: pass
+owner = Owner()
+table = SlotTable(8, seed=0)
+weakref.finalize(owner, lambda: print("repaired at exit:", table.repair(scan=True)))  # as a loader's shutdown
+table.stats()  # opens the lock description after: its fd's finalizer is the newer one
+"""
+
+
+def test_the_lock_still_works_in_finalizers_at_exit() -> None:
+    """A script that exits without close(): its loader's finalizer repairs the table at exit, after weakref's exit
+    hook has run the newer finalizers (the lock fd's must not be among them)."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "repaired at exit: 0" in done.stdout, done.stderr
+    assert "Bad file descriptor" not in done.stderr and "Traceback" not in done.stderr, done.stderr
