@@ -127,7 +127,7 @@ class NodeLock:
         self._fd = -1
         self._opened_by = -1  # the pid that opened self._fd
         self._deferring = False  # whether the current hold runs with SIGINT held back
-        self._finalizer = weakref.finalize(self, _close_fd, [self._fd])
+        self._finalizer = _fd_finalizer(self, self._fd)
         _LOCKS.add(self)
 
     def acquire(self, wait_s: float | None = None) -> None:
@@ -211,7 +211,7 @@ class NodeLock:
 
     def close(self) -> None:
         self._finalizer()
-        self._opened_by = -1
+        self._fd = self._opened_by = -1
 
     def _forget_parent(self) -> None:
         """In a forked child: drop the parent's lock description and any thread lock a parent thread held."""
@@ -231,7 +231,15 @@ class NodeLock:
             raise ValueError("the slot table is closed")
         self._fd = os.open(f"/proc/self/fd/{self._memory.fd}", os.O_RDWR | os.O_CLOEXEC)
         self._opened_by = _pid[0]
-        self._finalizer = weakref.finalize(self, _close_fd, [self._fd])
+        self._finalizer = _fd_finalizer(self, self._fd)
+
+
+def _fd_finalizer(lock: NodeLock, fd: int) -> weakref.finalize:  # type: ignore[type-arg]
+    # Not at exit: a finalizer of the process's teardown (the loader's shutdown repairs the table) may take the
+    # lock after weakref's exit hook ran the newer finalizers; the kernel closes the fd when the process ends.
+    finalizer = weakref.finalize(lock, _close_fd, [fd])
+    finalizer.atexit = False
+    return finalizer
 
 
 def _close_fd(holder: list[int]) -> None:
