@@ -64,7 +64,7 @@ class StreamPosition:
         self.restored = 0  # how many of them are copied into the buffer
         self._report_due = 0.0
         self.memory: SharedMemory | None = None
-        self.counter: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(2, dtype=np.int64)
+        self.counter: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(COUNTER_BYTES // 8, dtype=np.int64)
         if stateful:
             self.memory = SharedMemory(COUNTER_BYTES, name="gigashuffle-commits")
             self.counter = np.frombuffer(self.memory.numpy_view(0, COUNTER_BYTES), dtype=np.int64)
