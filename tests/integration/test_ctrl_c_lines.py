@@ -67,6 +67,14 @@ class Injector:
         return self.local
 
 
+def _ready_within(loader: MultiprocessShuffledDataloader, seconds: float) -> bool:
+    sup = loader._sup
+    deadline = time.monotonic() + seconds
+    while not sup.ready and time.monotonic() < deadline:
+        sup.pump(0.05)
+    return bool(sup.ready)
+
+
 def _rings_whole(loader: MultiprocessShuffledDataloader) -> tuple[bool, str]:
     sup = loader._sup
     deadline = time.monotonic() + RINGS_BACK_S
@@ -94,6 +102,14 @@ def test_sigint_at_every_line_of_the_batch_path_loses_no_ring_slot(redis_url: st
         batch: Any = None
         fired = interrupted = 0
         for n in range(200):
+            # next() would wait for ever once every ring slot is lost: wait for a ready batch with a deadline first.
+            try:
+                ready = _ready_within(loader, RINGS_BACK_S)
+            except KeyboardInterrupt:  # deferred in the last step's release callback: raised at a section's end
+                interrupted += 1
+                it = iter(loader)
+                ready = _ready_within(loader, RINGS_BACK_S)
+            assert ready, f"no batch ready after {interrupted} interrupts: ring slots lost"
             injector = Injector(n)
             sys.settrace(injector.trace)
             try:
