@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
     from gigashuffle.loader import MultiprocessShuffledDataloader
     from gigashuffle.schema import INDEX_KEY
-    from gigashuffle.slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.trainer.metrics import LoaderMetrics, WriterMetrics
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 _LAZY = {
     "MultiprocessShuffledDataloader": ".loader",
     "INDEX_KEY": ".schema",
-    "ShuffleBufferStats": ".slottable",
-    "LockUsage": ".slottable",
+    "ShuffleBufferStats": ".shm.slottable",
+    "LockUsage": ".shm.slottable",
+    "LoaderMetrics": ".trainer.metrics",
+    "WriterMetrics": ".trainer.metrics",
 }
 
 
@@ -67,6 +70,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataloaderConfig",
     "GigashuffleError",
+    "LoaderMetrics",
     "LockUsage",
     "MultiprocessShuffledDataloader",
     "NodeLockBusy",
@@ -77,5 +81,6 @@ __all__ = [
     "ShuffleBufferStats",
     "TamperedMetadataError",
     "WorkerDied",
+    "WriterMetrics",
     "__version__",
 ]
