@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gigashuffle.loader import MultiprocessShuffledDataloader
     from gigashuffle.schema import INDEX_KEY
     from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
+    from gigashuffle.trainer.metrics import LoaderMetrics, WriterMetrics
 
     # What a dataset yields: a chunk of rows, as groups of named fields sharing their first dimension.
     Buffer = list[dict[str, torch.Tensor | np.ndarray]]
@@ -39,6 +40,8 @@ _LAZY = {
     "INDEX_KEY": ".schema",
     "ShuffleBufferStats": ".shm.slottable",
     "LockUsage": ".shm.slottable",
+    "LoaderMetrics": ".trainer.metrics",
+    "WriterMetrics": ".trainer.metrics",
 }
 
 
@@ -69,6 +72,7 @@ __all__ = [
     "ConfigMismatchError",
     "DataloaderConfig",
     "GigashuffleError",
+    "LoaderMetrics",
     "LockUsage",
     "MultiprocessShuffledDataloader",
     "NodeLockBusy",
@@ -79,5 +83,6 @@ __all__ = [
     "ShuffleBufferStats",
     "TamperedMetadataError",
     "WorkerDied",
+    "WriterMetrics",
     "__version__",
 ]

@@ -56,6 +56,7 @@ class LoaderMetrics:
     readers_starved: float  # share of the readers' time with too few full slots to draw (below min_mixing)
     fill_mean: float  # full slots as a share of shuffle_size, at the readers' draws
     fill_min: float
+    fill_samples: int  # readers' draws that sampled the fill; 0: both figures were sampled once, at the call
     row_age_rows: float  # rows written on the node between a row's write and its draw
     row_age_s: float  # the same in seconds, at the node's current write rate
     node_rows_per_s: float  # written into the node's buffer by every writer of the node
@@ -96,7 +97,7 @@ class MetricsReader:
         cells = {c.pid: c.counters.read() for c in children if c.alive and c.counters is not None and c.pid}
         writers = tuple(_writer(c, cells[c.pid], seen, now) for c in children if c.role == "writer" and c.pid in cells)
         readers = [(cells[c.pid], seen.children.get(c.pid)) for c in children if c.role == "reader" and c.pid in cells]
-        gather, starved, fill_mean, fill_min, age_rows = _readers(readers, now, seen.at)
+        gather, starved, fill_mean, fill_min, age_rows, fill_samples = _readers(readers, now, seen.at)
         fill_mean, fill_min = fill_mean / self.shuffle_size, fill_min / self.shuffle_size
         lock_s, written = 0.0, 0
         if table is not None:
@@ -123,6 +124,7 @@ class MetricsReader:
             readers_starved=starved,
             fill_mean=fill_mean,
             fill_min=fill_min,
+            fill_samples=fill_samples,
             row_age_rows=age_rows,
             row_age_s=age_rows / node_rate if node_rate > 0 else math.nan,
             node_rows_per_s=node_rate,
@@ -152,8 +154,9 @@ def _writer(child: ChildProcess, now_cells: np.ndarray[Any, Any], seen: _Seen, n
 
 def _readers(
     readers: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any] | None]], now: float, at: float
-) -> tuple[float, float, float, float, float]:
-    """Gather seconds per batch, starved share, mean and least full-slot count at the draws, row age in rows."""
+) -> tuple[float, float, float, float, float, int]:
+    """Gather seconds per batch, starved share, mean and least full-slot count at the draws, row age in rows, and
+    how many draws sampled the fill."""
     batches = gather = starved = span = fill_sum = fill_n = age_sum = age_n = 0.0
     fill_min = math.inf
     for cells, before in readers:
@@ -175,6 +178,7 @@ def _readers(
         float(fill_sum / fill_n) if fill_n else math.nan,
         float(fill_min) if fill_n else math.nan,
         float(age_sum / age_n) if age_n else math.nan,
+        int(fill_n),
     )
 
 

@@ -63,6 +63,7 @@ def test_slow_trainer_shows_no_wait_and_writers_blocked_on_a_full_buffer(redis_u
     (writer,) = m.writers
     assert writer.blocked > 0.5 and writer.in_dataset < 0.3, m
     assert m.fill_mean > 0.5 and 0 < m.fill_min <= m.fill_mean, m  # the buffer stays nearly full
+    assert m.fill_samples > 0, m  # sampled by the reader at its draws (one per batch the trainer frees)
     assert 0 <= m.lock_busy_share < 0.5, m
     assert not math.isnan(m.row_age_rows) and m.row_age_rows > 0, m
 
