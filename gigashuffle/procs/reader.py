@@ -133,7 +133,7 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     while True:
         others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
-        if any(isinstance(m, Pause) for m in others):
+        if _pausing(others):
             if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
                 _announce(env, buffer, table, ring, free, drawn, me, evict, 0, counters)
                 drawn = None
@@ -190,6 +190,12 @@ def _announce(
         raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
     env.channel.send(BatchReady(tuple(ring_slots)))
     return following
+
+
+def _pausing(messages: list[ToChild]) -> bool:
+    """Whether the last of the cut's messages among ``messages`` is a ``Pause`` (a Resume may follow at once)."""
+    cut = [m for m in messages if isinstance(m, (Pause, Resume))]
+    return bool(cut) and isinstance(cut[-1], Pause)
 
 
 def _pause(env: ChildEnv, free: deque[int]) -> None:

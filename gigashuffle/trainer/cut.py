@@ -117,7 +117,8 @@ def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -
                 except OSError:
                     continue
                 asked.add(child.seq)
-        if len(readers) == config.num_readers and all(c.seq in sup.paused for c in readers):
+        # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
+        if all(c.seq in sup.paused for c in readers if c.ring is not None):
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
