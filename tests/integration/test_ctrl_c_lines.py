@@ -122,7 +122,7 @@ def test_sigint_at_every_line_of_the_batch_path_loses_no_ring_slot(redis_url: st
                 sys.settrace(None)
                 batch = None  # one the interrupt kept from the del above
             fired += injector.fired
-        assert fired >= 40, f"only {fired} of 200 steps reached their line: the tracer misses the batch path"
+        assert fired >= 20, f"only {fired} of 200 steps reached their line: the tracer misses the batch path"
         try:  # one interrupt deferred in the last step's release callback is raised by the next section's end
             with critical():
                 pass
