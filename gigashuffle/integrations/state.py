@@ -4,19 +4,16 @@ NOTE [ Rank-keyed state ]
 ``loader.state_dict()`` is one rank's state under one key, ``f"rank{global_rank}"``; the dicts of all ranks merge
 with ``dict.update``, and ``loader.load_state_dict(merged)`` takes its own rank's part. Lightning's fit loop, the
 Hugging Face Trainer and accelerate's ``save_state`` write a data loader's state from rank 0 only, so each rank's
-state would be lost but rank 0's: ``GatheredState.state_dict()`` therefore gathers the states of every rank with
-``torch.distributed.all_gather_object`` (a collective: every rank calls it at the same step, which these
-frameworks do, since they call ``state_dict()`` on every rank and write on rank 0) and returns the merged dict,
-which any one rank's file then holds whole. ``torch.distributed.checkpoint`` saves each rank's own keys, so
-``RankKeyedState`` there needs no gather.
+state would be lost but rank 0's: ``GatheredState.state_dict()`` therefore gathers every rank's state
+(``loader.gathered_state_dict()``, an ``all_gather_object``: a collective, which these frameworks call on every
+rank at the same step before writing on rank 0) and returns the merged dict, which any one rank's file then holds
+whole. ``torch.distributed.checkpoint`` saves each rank's own keys, so ``RankKeyedState`` there needs no gather.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
-
-import torch.distributed as dist
 
 from gigashuffle import MultiprocessShuffledDataloader
 
@@ -25,17 +22,6 @@ log = logging.getLogger(__name__)
 
 def rank_key(loader: MultiprocessShuffledDataloader) -> str:
     return f"rank{loader.config.global_rank}"
-
-
-def rank_state(loader: MultiprocessShuffledDataloader) -> dict[str, Any]:
-    """This rank's state under its one key ``rank<global_rank>``."""
-    state = loader.state_dict()
-    key = rank_key(loader)
-    if list(state) == [key]:
-        return state
-    # SHIM (until the rank-keyed loader state lands, see NOTE [ Rank-keyed state ]): today's loader returns its
-    # rank's state bare; key it here. Remove once loader.state_dict() is rank-keyed on main.
-    return {key: state}
 
 
 def load_rank_state(loader: MultiprocessShuffledDataloader, merged: dict[str, Any]) -> None:
@@ -49,24 +35,7 @@ def load_rank_state(loader: MultiprocessShuffledDataloader, merged: dict[str, An
             "with other ranks, or from one rank without gathering (use gigashuffle.integrations.state."
             "GatheredState, which gathers every rank's state before a rank-0 save)"
         )
-    try:
-        loader.load_state_dict(merged)
-    except ValueError:
-        # SHIM (see rank_state): today's loader takes its rank's state bare and refuses the merged dict, before
-        # it sends anything to its writers. Remove with the shim above.
-        loader.load_state_dict(merged[key])
-
-
-def gather(mine: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's ``mine`` merged, on every rank; ``mine`` itself outside an initialized process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return dict(mine)
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    merged: dict[str, Any] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+    loader.load_state_dict(merged)
 
 
 class RankKeyedState:
@@ -76,7 +45,7 @@ class RankKeyedState:
         self.loader = loader
 
     def state_dict(self) -> dict[str, Any]:
-        return rank_state(self.loader)
+        return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_rank_state(self.loader, state_dict)
@@ -86,7 +55,7 @@ class GatheredState(RankKeyedState):
     """The loader's state for frameworks that save from rank 0 only: every rank's state, gathered on each."""
 
     def state_dict(self) -> dict[str, Any]:
-        return gather(rank_state(self.loader))
+        return self.loader.gathered_state_dict()
 
 
 class StatefulLoader(GatheredState):

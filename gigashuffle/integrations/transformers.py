@@ -22,7 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from gigashuffle import MultiprocessShuffledDataloader
-from gigashuffle.integrations.state import gather, load_rank_state, rank_state
+from gigashuffle.integrations.state import load_rank_state
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class _LoaderState(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.loader = loader
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        merged = gather(rank_state(self.loader))  # every rank calls on_save: the gather is a collective
+        merged = self.loader.gathered_state_dict()  # every rank calls on_save: the gather is a collective
         if state.is_world_process_zero:
             folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)

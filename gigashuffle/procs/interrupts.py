@@ -52,6 +52,8 @@ import weakref
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
+from gigashuffle.shm.nodelock import effective_sigint_handler, set_sigint_handler
+
 log = logging.getLogger(__name__)
 
 # In a blocking section a second Ctrl-C this long after the first interrupts at once.
@@ -112,7 +114,7 @@ def install() -> None:
     SIG_IGN/SIG_DFL, nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    current = signal.getsignal(signal.SIGINT)
+    current = effective_sigint_handler()  # beneath the node lock's own deferral, if installed
     if current is _on_sigint:
         _state.users += 1
         return
@@ -120,7 +122,7 @@ def install() -> None:
         return
     _state.previous = current
     _state.users = 1
-    signal.signal(signal.SIGINT, _on_sigint)
+    set_sigint_handler(_on_sigint)
 
 
 def uninstall() -> None:
@@ -129,8 +131,8 @@ def uninstall() -> None:
     if _state.users == 0 or _state.exiting or threading.current_thread() is not threading.main_thread():
         return
     _state.users -= 1
-    if _state.users == 0 and signal.getsignal(signal.SIGINT) is _on_sigint:
-        signal.signal(signal.SIGINT, _state.previous)
+    if _state.users == 0 and effective_sigint_handler() is _on_sigint:
+        set_sigint_handler(_state.previous)
         if _state.pending is not None:  # deferred in the last loader's teardown by a garbage collection
             _state.pending = None
             log.warning("a Ctrl-C during the teardown of a loader that was garbage-collected was not raised")

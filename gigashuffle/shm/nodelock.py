@@ -105,6 +105,21 @@ _get_ident, _getsignal, _SIGINT = threading.get_ident, _signal.getsignal, signal
 _deferral = _Deferral()
 
 
+def effective_sigint_handler() -> Any:
+    """SIGINT's handler as the program set it: the one the deferral wraps while the deferral is installed."""
+    current = _getsignal(_SIGINT)
+    return _deferral.wrapped if current is _deferral.handler else current
+
+
+def set_sigint_handler(handler: Any) -> None:
+    """Install ``handler`` for SIGINT beneath the deferral when that is installed, so that neither wraps the other
+    twice (a handler that chains to the one it replaced would otherwise call itself through the deferral)."""
+    if _getsignal(_SIGINT) is _deferral.handler and callable(handler):
+        _deferral.wrapped = handler
+    else:
+        signal.signal(_SIGINT, handler)
+
+
 def _after_fork_in_child() -> None:
     _pid[0] = os.getpid()
     _main_thread[0] = threading.get_ident()
