@@ -152,7 +152,7 @@ def interrupted(queue: str) -> None:
     for _ in range(5):
         next(it)
     loader.stats()
-    server = loader._sup.server
+    server = loader._sup.link.server
     pids = [pid for pids in loader.child_pids().values() for pid in pids]
     if server is not None and server.process is not None:
         pids.append(server.process.pid)
