@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
+from forked import fork_child as _fork
+from forked import wait_child as _wait
 from slot_audit import TableSnapshot, lock_is_free, snapshot
 
 from gigashuffle import NodeLockBusy
@@ -31,31 +32,6 @@ from gigashuffle.shm.slottable import (
 )
 
 _WAIT_S = 30.0
-
-
-def _fork(body: Callable[[], int]) -> int:
-    """Run ``body`` in a forked child (its return value is the exit code); returns the pid."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = body()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _wait(pid: int) -> int:
-    """The child's wait status, within a deadline (a child stuck on the lock fails the test instead of hanging)."""
-    deadline = time.monotonic() + _WAIT_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError(f"child {pid} did not finish within {_WAIT_S}s")
 
 
 def _fill(table: SlotTable, pid: int, n: int) -> np.ndarray:
