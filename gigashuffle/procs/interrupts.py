@@ -52,8 +52,6 @@ import weakref
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from gigashuffle.shm.nodelock import effective_sigint_handler, set_sigint_handler
-
 log = logging.getLogger(__name__)
 
 # In a blocking section a second Ctrl-C this long after the first interrupts at once.
@@ -114,6 +112,9 @@ def install() -> None:
     SIG_IGN/SIG_DFL, nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    # Imported here, not at the top: channel.py imports this module, and the attach client must stay stdlib-only.
+    from gigashuffle.shm.nodelock import effective_sigint_handler, set_sigint_handler
+
     current = effective_sigint_handler()  # beneath the node lock's own deferral, if installed
     if current is _on_sigint:
         _state.users += 1
@@ -131,6 +132,8 @@ def uninstall() -> None:
     if _state.users == 0 or _state.exiting or threading.current_thread() is not threading.main_thread():
         return
     _state.users -= 1
+    from gigashuffle.shm.nodelock import effective_sigint_handler, set_sigint_handler
+
     if _state.users == 0 and effective_sigint_handler() is _on_sigint:
         set_sigint_handler(_state.previous)
         if _state.pending is not None:  # deferred in the last loader's teardown by a garbage collection
