@@ -12,30 +12,9 @@ whole. ``torch.distributed.checkpoint`` saves each rank's own keys, so ``RankKey
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from gigashuffle import MultiprocessShuffledDataloader
-
-log = logging.getLogger(__name__)
-
-
-def rank_key(loader: MultiprocessShuffledDataloader) -> str:
-    return f"rank{loader.config.global_rank}"
-
-
-def load_rank_state(loader: MultiprocessShuffledDataloader, merged: dict[str, Any]) -> None:
-    """Restore this rank's part of ``merged`` (the states of one or more ranks, as ``rank_state`` keys them)."""
-    if not isinstance(merged, dict):
-        raise TypeError(f"a gigashuffle loader state must be a dict, got {type(merged).__name__}")
-    key = rank_key(loader)
-    if key not in merged:
-        raise ValueError(
-            f"the checkpoint holds the loader states of {sorted(merged)} but not {key!r}: it was saved by a job "
-            "with other ranks, or from one rank without gathering (use gigashuffle.integrations.state."
-            "GatheredState, which gathers every rank's state before a rank-0 save)"
-        )
-    loader.load_state_dict(merged)
 
 
 class RankKeyedState:
@@ -48,7 +27,7 @@ class RankKeyedState:
         return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_rank_state(self.loader, state_dict)
+        self.loader.load_state_dict(state_dict)  # takes its own rank's part; a missing one: CheckpointError
 
 
 class GatheredState(RankKeyedState):

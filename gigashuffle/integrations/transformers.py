@@ -22,7 +22,6 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from gigashuffle import MultiprocessShuffledDataloader
-from gigashuffle.integrations.state import load_rank_state
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def load_loader_state(loader: MultiprocessShuffledDataloader, checkpoint: str) -
             "resume from one of its checkpoints, or start without resume_from_checkpoint"
         )
     merged = torch.load(path, weights_only=False)  # written by this job's main process (it holds dataset states)
-    load_rank_state(loader, merged)
+    loader.load_state_dict(merged)  # takes this rank's part; a missing one: CheckpointError
     log.info("gigashuffle: loader state restored from %s", path)
 
 
