@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import functools
 import logging
 import time
 import weakref
@@ -20,30 +18,24 @@ from gigashuffle.control.client import Client
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.link import ControlLink
 from gigashuffle.errors import CheckpointError, GigashuffleError
-from gigashuffle.host.pids import describe_process, is_stopped
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import interrupts
-from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
 from gigashuffle.procs.interrupts import critical
-from gigashuffle.procs.messages import SetContext, SetEpoch, StartPass
-from gigashuffle.procs.zygoteclient import ChildProcess
-from gigashuffle.schema import INDEX_KEY, Layout
+from gigashuffle.schema import Layout
 from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
-from gigashuffle.trainer import datasetstate, pinning, progress
+from gigashuffle.trainer import datasetstate, pinning
+from gigashuffle.trainer.batches import Batches
+from gigashuffle.trainer.finalizer import at_exit, shutdown
 from gigashuffle.trainer.metrics import LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
-Batch = list[dict[str, torch.Tensor]]
-_SLOW_WARNING_S = 60.0
 # How long stats() and evict() wait for the node lock before they raise NodeLockBusy (NOTE [ A stopped lock
 # holder ] in shm/slottable.py): far longer than any transition holds it.
 _LOCK_PATIENCE_S = 30.0
-# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
-_PENDING_PUMP_S = 0.002
 
 
 class MultiprocessShuffledDataloader:
@@ -75,23 +67,15 @@ class MultiprocessShuffledDataloader:
         self.redis_url = link.url
         try:
             stateful = missing_state_methods(dataset) is None
-            self._sup = Supervisor(config, dataset, link, str(directory), stateful=stateful)
+            self._sup = Supervisor(config, dataset, link, str(directory), self._placement, stateful=stateful)
         except BaseException:
             link.close()
             raise
-        self._sup.on_ring = self._placement.adopt  # rings are registered with CUDA when they arrive, not on a batch
-        self._finalizer = weakref.finalize(self, _shutdown, self._placement, self._sup)
-        _at_exit(self._finalizer)
-        interrupts.install()  # NOTE [ Ctrl-C ] in procs/interrupts.py; _shutdown undoes it
-        self._pass_open = False
-        # The version of the write each slot held when this trainer last received it: evict() names that write,
-        # so a late evict never drops a newer row (-1: never received here, evict whatever the slot holds).
-        self._versions = np.full(config.shuffle_size, -1, dtype=np.int64)
-        # Filling progress is shown while this rank waits for its first batch, then never again.
-        self._progress: progress.FillProgress | None = None
-        self._first_batch_seen = False
-        self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
+        self._finalizer = weakref.finalize(self, shutdown, self._placement, self._sup)
+        at_exit(self._finalizer)
+        interrupts.install()  # NOTE [ Ctrl-C ] in procs/interrupts.py; the finalizer undoes it
         self._metrics = MetricsReader(config.queue_name, config.global_rank, config.shuffle_size, config.bs)
+        self._batches = Batches(config, self._sup, self._placement, self._metrics)
         self.epoch: int | None = None  # the last set_epoch()
 
     # -- iteration -------------------------------------------------------------------------------------------
@@ -120,183 +104,8 @@ class MultiprocessShuffledDataloader:
             )
         self._sup.say_go()  # NOTE [ Restore before reading ] in procs/resume.py
         if self.config.fill_once:
-            return self._one_pass()
-        return self._stream()
-
-    def _stream(self) -> Iterator[Any]:
-        steps = self.config.steps_per_epoch
-        if steps is None:
-            while True:
-                yield self._next_batch()
-        for _ in range(steps):
-            yield self._next_batch()
-
-    def _one_pass(self) -> Iterator[Any]:
-        sup = self._sup
-        self._finish_open_pass()
-        reader = self._wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
-        with critical():  # a pass asked for is a pass open: NOTE [ Ctrl-C ]
-            sup.passes_ended.discard(0)
-            reader.channel.send(StartPass(0))
-            self._pass_open = True
-        while True:
-            while not sup.ready and 0 not in sup.passes_ended:
-                self._show_filling()
-                self._pump()
-            self._filled()
-            if sup.ready:
-                with critical():
-                    batch = self._deliver(*sup.ready.popleft())
-                yield batch
-            else:
-                sup.passes_ended.discard(0)
-                self._pass_open = False
-                return
-
-    def _finish_open_pass(self) -> None:
-        """Discard the rest of a pass the caller abandoned, so the next pass starts at its first batch."""
-        sup = self._sup
-        while self._pass_open:
-            while sup.ready:
-                with critical():
-                    child, k = sup.ready.popleft()
-                    sup.send_free(child, k)
-            if 0 in sup.passes_ended:
-                sup.passes_ended.discard(0)
-                self._pass_open = False
-            else:
-                sup.pump()
-
-    def _next_batch(self) -> Any:
-        sup = self._sup
-        self._check_open()
-        sup.say_go()
-        # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
-        # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
-        # [ Batched frees ]).
-        self._placement.poll()
-        sup.flush_frees(everything=not sup.ready)
-        if not sup.ready:
-            self._wait_for_batch()
-        self._filled()
-        # Popped and handed over in one section: a batch popped and never made is a ring slot lost for good. A Ctrl-C
-        # meanwhile drops this batch on the way out, and its slot returns like any dropped batch's (NOTE [ Ctrl-C ]).
-        with critical():
-            return self._deliver(*sup.ready.popleft())
-
-    def _wait_for_batch(self) -> None:
-        """Pump until a batch is ready: the trainer's wait, timed for metrics() and named in profiler traces."""
-        sup = self._sup
-        waited_since = time.monotonic()
-        next_warning = waited_since + _SLOW_WARNING_S
-        try:
-            with torch.profiler.record_function("gigashuffle.wait"):
-                while not sup.ready:
-                    self._show_filling()
-                    self._pump()
-                    if time.monotonic() > next_warning:
-                        # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
-                        log.warning(
-                            "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
-                            self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
-                            self.config.min_full_slots, _stopped_lock_holder(sup),
-                        )  # fmt: skip
-                        next_warning += _SLOW_WARNING_S
-        finally:
-            self._metrics.wait_s += time.monotonic() - waited_since
-
-    def _show_filling(self) -> None:
-        if self._first_batch_seen:
-            return
-        if time.monotonic() > self._late_writers_due:
-            self._late_writers_due = float("inf")
-            _log_late_writers(self._sup)
-        if self._progress is None:
-            cfg = self.config
-            self._progress = progress.FillProgress(
-                f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
-                cfg.min_full_slots,
-                functools.partial(_full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
-                bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
-            )
-        self._progress.update()
-
-    def _filled(self) -> None:
-        if self._first_batch_seen:
-            return
-        self._first_batch_seen = True
-        if self._progress is not None:
-            self._progress.finish()
-            self._progress = None
-
-    def _pump(self) -> None:
-        """Wait a little for messages; with pinned rings, also release the ring slots whose copies are done."""
-        placement = self._placement
-        if not placement.tracks:
-            self._sup.pump()
-            return
-        readers = [c for c in self._sup.readers() if c.ring is not None]
-        # Block on a copy only when no reader has a free ring slot left: otherwise the GPU work queued before it
-        # would stall the trainer for nothing.
-        starved = bool(readers) and all(c.ring is not None and c.held >= c.ring.depth for c in readers)
-        placement.poll(wait=starved)
-        if placement.pending:
-            self._sup.pump(_PENDING_PUMP_S)
-        else:
-            self._sup.pump()
-
-    def _deliver(self, child: ChildProcess, k: int) -> Any:
-        self._metrics.batches += 1
-        return self._shape(self._deliver_list(child, k))
-
-    def _shape(self, batch: Batch) -> Any:
-        """The batch as the config asks: without INDEX_KEY, and as the one group's dict (both cost a dict op)."""
-        cfg = self.config
-        if not cfg.index_key:
-            del batch[0][INDEX_KEY]
-        if cfg.batch_format == "list":
-            return batch
-        if len(batch) != 1:
-            raise ValueError(
-                f"DataloaderConfig.batch_format='dict' is invalid for queue {cfg.queue_name!r}: the dataset's chunks "
-                f"have {len(batch)} groups, and a dict holds one; use batch_format='list' or yield one group"
-            )
-        return batch[0]
-
-    def _deliver_list(self, child: ChildProcess, k: int) -> Batch:
-        ring = child.ring
-        if ring is None:
-            raise AssertionError("a batch arrived before its reader's ring")
-        if not self.config.evict_on_read:
-            _fields, index = ring.regions(k)
-            self._versions[index.numpy()] = ring.versions(k)
-        if self._placement.moves:
-            # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
-            child.held += 1
-            return self._placement.deliver(ring, k, self._sup.release_later(child, k))
-        if child.held >= ring.depth - 1 and self._placement.pending:
-            self._await_copies(child, ring.depth - 1)
-        if child.held >= ring.depth - 1:
-            # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
-            batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
-            self._sup.send_free(child, k)
-            return batch
-        child.held += 1
-        return self._placement.deliver(ring, k, self._sup.release_later(child, k))
-
-    def _await_copies(self, child: ChildProcess, limit: int) -> None:
-        """Pinned rings: wait for the oldest pending copies until ``child`` holds fewer than ``limit`` slots, rather
-        than hand out a pageable copy for slots the caller already dropped (NOTE [ GPU placement ])."""
-        placement = self._placement
-        while child.held >= limit and placement.pending:
-            if not placement.poll():
-                placement.poll(wait=True)
-            self._sup.flush_frees(everything=False)
-
-    def _wait_for(self, probe: Any, what: str) -> Any:
-        while (found := probe()) is None:
-            self._sup.pump()
-        return found
+            return self._batches.one_pass()
+        return self._batches.stream()
 
     # -- the rest of the API ---------------------------------------------------------------------------------
     def get_dummy_batch(self, timeout_s: float | None = None) -> Any:
@@ -312,7 +121,7 @@ class MultiprocessShuffledDataloader:
             self._dummy = dummyrow.await_row(
                 self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s
             )
-        return self._shape(self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs)))
+        return self._batches.shape(self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs)))
 
     def metrics(self) -> LoaderMetrics:
         """This rank's loader figures, read without the node lock or Redis: totals since it was built, rates and
@@ -358,16 +167,15 @@ class MultiprocessShuffledDataloader:
             )
         if not ids.size:
             return 0
-        table = self._wait_for(self._sup.table, "the slot table")
+        table = self._batches.wait_for(self._sup.table, "the slot table")
         ids = np.unique(ids)
         with critical(blocking=True):  # the node lock is held only inside: NOTE [ Ctrl-C ]
-            return int(table.evict(ids, self._versions[ids], wait_s=_LOCK_PATIENCE_S))
+            return int(table.evict(ids, self._batches.versions[ids], wait_s=_LOCK_PATIENCE_S))
 
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
         self._check_open()
-        self._sup.context = context
-        self._sup.send_to_writers(SetContext(context))
+        self._sup.set_context(context)
 
     def set_epoch(self, epoch: int) -> None:
         """Call ``dataset.set_epoch(epoch)`` in every writer of this rank (now, and in writers started later), as
@@ -382,8 +190,7 @@ class MultiprocessShuffledDataloader:
         self.epoch = epoch
         if not callable(getattr(self.dataset, "set_epoch", None)):
             return
-        self._sup.epoch = epoch
-        self._sup.send_to_writers(SetEpoch(epoch))
+        self._sup.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
@@ -459,15 +266,11 @@ class MultiprocessShuffledDataloader:
         return self._sup.closed
 
     def _check_open(self) -> None:
-        if self._sup.closed:
-            raise GigashuffleError(f"the loader of queue {self.config.queue_name!r} is closed")
-        self._sup.raise_if_failed()
+        self._batches.check_open()
 
     def close(self) -> None:
         """Stop every loader process and free every resource; calling it again does nothing."""
-        if self._progress is not None:
-            self._progress.finish(reached=False)
-            self._progress = None
+        self._batches.stop_progress()
         with critical():  # a Ctrl-C meanwhile is raised once every process is stopped (NOTE [ Ctrl-C ])
             self._finalizer()
 
@@ -485,75 +288,3 @@ def _buffer_stats(sup: Supervisor) -> ShuffleBufferStats:
         return ShuffleBufferStats(0, 0, 0)
     with critical(blocking=True):  # the node lock is held only inside: NOTE [ Ctrl-C ]
         return table.stats(wait_s=_LOCK_PATIENCE_S)
-
-
-def _counts(sup: Supervisor) -> ShuffleBufferStats:
-    """The slot counts from the table's header, without its lock (they never wait: NOTE [ A stopped lock holder ])."""
-    table = sup.table()
-    return ShuffleBufferStats(0, 0, 0) if table is None else table.counts()[2]
-
-
-def _stopped_lock_holder(sup: Supervisor) -> str:
-    table = sup.table()
-    holder = None if table is None else table.lock_holder()
-    if holder is None or not is_stopped(holder):
-        return ""
-    return f"; the node's slot-table lock is held by {describe_process(holder)}"
-
-
-def _log_late_writers(sup: Supervisor) -> None:
-    late = sorted(c.index for c in sup.writers() if c.index not in sup.mix_shares)
-    if late:
-        cfg = sup.config
-        log.warning(
-            "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
-            "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
-            "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
-            cfg.queue_name, cfg.global_rank, late, share(cfg), FIRST_MIX_WAIT_S, FIRST_MIX_WAIT_S,
-        )  # fmt: skip
-
-
-def _full_slots(sup: Supervisor) -> int:
-    sup.raise_if_failed()
-    return _counts(sup).full
-
-
-def _shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
-    """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop
-    (NOTE [ Shutdown ] in trainer/supervisor.py)."""
-    with critical(deliver=False):  # whether closed, collected or run at exit: NOTE [ Ctrl-C ]
-        try:
-            placement.close()
-        finally:
-            sup.shutdown()
-            interrupts.uninstall()
-
-
-# NOTE [ Loaders at exit ]
-# A loader never closed is closed at interpreter exit by this module's atexit hook, not by weakref.finalize's own:
-# atexit runs the last registered first, and the hook is registered after the first loader's finalizer exists (so
-# after weakref's), so it runs before weakref.finalize's exit pass. That pass runs the newest finalizers first,
-# among them those of the objects a loader made after itself: the node lock's, which closes the lock's fd, used to
-# run before the loader's shutdown, whose repair then failed with "OSError: [Errno 9] Bad file descriptor".
-_OPEN_LOADERS: set[weakref.finalize[Any, Any]] = set()
-_HOOKED = False
-
-
-def _at_exit(finalizer: weakref.finalize[Any, Any]) -> None:
-    global _HOOKED
-    for done in [f for f in _OPEN_LOADERS if not f.alive]:
-        _OPEN_LOADERS.discard(done)
-    _OPEN_LOADERS.add(finalizer)
-    if not _HOOKED:
-        _HOOKED = True
-        atexit.register(_close_at_exit)
-
-
-def _close_at_exit() -> None:
-    interrupts.set_exiting()  # a Ctrl-C from now on must not cut the teardown (NOTE [ Ctrl-C ])
-    with critical(deliver=False):
-        while _OPEN_LOADERS:
-            _OPEN_LOADERS.pop()()
-
-
-interrupts.protect(_close_at_exit.__code__)

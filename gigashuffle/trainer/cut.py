@@ -55,7 +55,7 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
     started = time.monotonic()
     deadline = started + timeout_s
     pause = exact(config)
-    sup.cutting = pause
+    sup.start_cut(pause)
     try:
         answers = _writer_states(sup, config, deadline, pause)
         rows: dict[str, Any] = {}
@@ -64,8 +64,6 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
             rows = _saved_rows(sup, answers)
         return answers, rows
     finally:
-        sup.cutting = False
-        sup.paused.clear()
         if pause:
             for child in [*sup.writers(), *sup.readers()]:
                 try:
@@ -74,7 +72,7 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
                     continue  # dying: its successor starts unpaused
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
-        sup.last_cut_s = time.monotonic() - started
+        sup.end_cut(started)
 
 
 def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool) -> list[DatasetState]:
@@ -93,7 +91,7 @@ def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, p
             asked[child.index] = (child.seq, request)
         sup.pump(_POLL_S)
         for index, (_seq, request) in asked.items():
-            answer = sup.states.get(index)
+            answer = sup.state_of(index)
             if answer is not None and answer.request == request:
                 answers[index] = answer
         if time.monotonic() > deadline and len(answers) < config.num_writers:
@@ -118,7 +116,7 @@ def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -
                     continue
                 asked.add(child.seq)
         # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
-        if all(c.seq in sup.paused for c in readers if c.ring is not None):
+        if all(sup.is_paused(c) for c in readers if c.ring is not None):
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
@@ -145,7 +143,7 @@ def _saved_rows(sup: Supervisor, answers: list[DatasetState]) -> dict[str, Any]:
         out = [np.empty((len(ids), spec.row_bytes), dtype=np.uint8) for spec in buffer.layout.fields]
         buffer.gather(ids, out)
         parts.append(out)
-    for child, k in sup.ready:
+    for child, k in sup.inbox.waiting():
         if child.ring is None:
             raise AssertionError("a batch announced by a reader without a ring")
         fields, _index = child.ring.regions(k)

@@ -61,8 +61,7 @@ from __future__ import annotations
 import logging
 import os
 import select
-from collections import deque
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,6 @@ from gigashuffle.procs.messages import (
     BatchReady,
     ChildError,
     DatasetState,
-    FreeSlot,
     Go,
     MixShare,
     PassEnd,
@@ -88,6 +86,8 @@ from gigashuffle.procs.messages import (
     Rejoin,
     RingReady,
     Role,
+    SetContext,
+    SetEpoch,
     Spawned,
     ToChild,
     ZygoteEvent,
@@ -99,8 +99,9 @@ from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.slottable import SlotTable
-from gigashuffle.trainer.dropped import DroppedBatches
+from gigashuffle.trainer.inbox import Inbox
 from gigashuffle.trainer.nodetable import TableView
+from gigashuffle.trainer.pinning import Placement
 from gigashuffle.trainer.resumepoints import ResumePoints
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class Supervisor:
         dataset: Any,
         link: ControlLink,
         runtime_dir: str,
+        placement: Placement,
         stateful: bool = False,
     ) -> None:
         self.config = config
@@ -128,26 +130,23 @@ class Supervisor:
         # A stateful dataset's writers track their commits and hold before reading until ``say_go()`` (NOTE
         # [ Respawned writers ] and [ Restore before reading ] in procs/resume.py); a feed-only rank never asks.
         self.stateful = stateful
-        self.go = not stateful or config.num_readers == 0
+        self._go = not stateful or config.num_readers == 0
         self.resume = ResumePoints(config.num_writers)
         self.runtime_dir = runtime_dir
         self.runtime_path = Path(runtime_dir)
         self.children: list[ChildProcess] = []
-        self.ready: deque[tuple[ChildProcess, int]] = deque()
-        self.dropped = DroppedBatches()
-        self.on_ring: Callable[[BatchRing], None] = _no_placement  # a reader's ring arrived (the loader pins it)
-        self.states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
-        self.paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
-        self.cutting = False  # a checkpoint's cut is on: children started now start paused
-        self.last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
-        self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
-        self.mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
+        self.inbox = Inbox(placement, self.children)  # the ring slots of this rank's readers
+        self._on_ring = placement.adopt  # a reader's ring arrived: rings are registered with CUDA then, not per batch
+        self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
+        self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
+        self._cutting = False  # a checkpoint's cut is on: children started now start paused
+        self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
+        self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
-        self.closed = False
-        self._dead = 0  # children that exited and are still listed (see _forget_dead)
-        self.restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
-        self.context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
-        self.epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
+        self._closed = False
+        self._restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
+        self._context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
+        self._epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
         self.seed, origin = base_seed(config, session.generation, os.environ)
@@ -176,6 +175,30 @@ class Supervisor:
             for index in range(count):
                 self.children.append(self._spawn(role, index, restarts=0))
 
+    # -- read-only figures ----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def go(self) -> bool:
+        """Whether writers read their datasets (NOTE [ Restore before reading ] in procs/resume.py)."""
+        return self._go
+
+    @property
+    def restarts(self) -> int:
+        """Children started again after a death (for metrics(); rejoins are not restarts)."""
+        return self._restarts
+
+    @property
+    def last_cut_s(self) -> float:
+        """How long the last checkpoint's cut paused this rank's writers and readers (for the bench)."""
+        return self._last_cut_s
+
+    def late_writers(self) -> list[int]:
+        """The live writers that have not written their share of the node's first mix (NOTE [ First mix ])."""
+        return sorted(c.index for c in self.writers() if c.index not in self._mix_shares)
+
     # -- spawning --------------------------------------------------------------------------------------------
     def _spec(self, role: Role, index: int) -> bytes:
         state, skip, serial, saved = self.resume.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
@@ -189,16 +212,16 @@ class Supervisor:
             generation=self.session.generation,
             runtime_dir=self.runtime_dir,
             dataset=self.dataset if role == "writer" else None,
-            context=self.context,
+            context=self._context,
             dataset_state=state,
             seed=self.seed,
             start=start,
             stateful=self.stateful,
             skip=skip,
             serial=serial,
-            go=self.go and not self.cutting,
+            go=self._go and not self._cutting,
             saved_rows=saved,
-            epoch=self.epoch if role == "writer" else None,
+            epoch=self._epoch if role == "writer" else None,
         )
         try:
             return dumps_by_value(spec)
@@ -213,7 +236,7 @@ class Supervisor:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._spec(role, index), title)
-        if role == "reader" and self.cutting:
+        if role == "reader" and self._cutting:
             channel.send(Pause())  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
@@ -221,7 +244,7 @@ class Supervisor:
     def pump(self, timeout: float = _PUMP_S) -> None:
         """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message."""
         self.raise_if_failed()
-        self.flush_frees()
+        self.inbox.flush()
         live = [c for c in self.children if c.alive]
         readable, _, _ = select.select([self.zygote.channel, *(c.channel for c in live)], [], [], timeout)
         for child in live:
@@ -238,24 +261,6 @@ class Supervisor:
             for event in self.zygote.events():
                 self._on_zygote_event(event)
 
-    def _forget_dead(self) -> None:
-        """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to
-        be started again. A week of restarts must not keep every dead reader's ring mapped in the trainer."""
-        waiting = {id(child) for child, _k in self.ready}
-        kept: list[ChildProcess] = []
-        for child in self.children:
-            if child.alive or child.superseded or child.held > 0 or id(child) in waiting:
-                kept.append(child)
-            else:
-                if child.ring is not None:
-                    child.ring.close()  # views the caller still holds keep their pages mapped
-                    child.ring = None
-                if child.counters is not None:
-                    child.counters.close()
-                    child.counters = None
-        self.children = kept
-        self._dead = sum(not child.alive for child in kept)
-
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure
@@ -271,14 +276,14 @@ class Supervisor:
 
     def _on_message(self, child: ChildProcess, message: object, fds: list[int]) -> None:
         if isinstance(message, BatchReady):
-            self.ready.extend((child, k) for k in message.ks)
+            self.inbox.announced(child, message.ks)
         elif isinstance(message, RingReady):
             memory = SharedMemory(message.nbytes, fds[0])
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
             child.ring = BatchRing(layout, self.config.bs, message.depth, memory)
             self._map_counters(child, fds[1:])
-            self.on_ring(child.ring)
+            self._on_ring(child.ring)
             self._on_attached(child)
         elif isinstance(message, Attached):
             self._map_counters(child, fds[:1])  # the counters' fd first, then a writer's commit counter
@@ -290,13 +295,13 @@ class Supervisor:
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
         elif isinstance(message, DatasetState):
-            self.states[message.index] = message
+            self._states[message.index] = message
         elif isinstance(message, Paused):
-            self.paused.add(child.seq)
+            self._paused.add(child.seq)
         elif isinstance(message, PassEnd):
-            self.passes_ended.add(message.number)
+            self.inbox.pass_ended(message.number)
         elif isinstance(message, MixShare):
-            self.mix_shares.add(child.index)
+            self._mix_shares.add(child.index)
         else:
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
@@ -329,10 +334,10 @@ class Supervisor:
         self._drain(child)
         child.exitcode = exitcode
         child.channel.close()
-        self._dead += 1
+        self.inbox.child_exited()
         if child.pid is not None:
             remove_socket(attach_socket_path(child.pid, self.runtime_path))
-        if self.closed:
+        if self._closed:
             return
         if child.role == "writer" and self.stateful:
             self.resume.on_death(child.index)  # before the repair: its successor starts after its last commit
@@ -350,7 +355,7 @@ class Supervisor:
                     self.session.lost = QueueStateLostError(f"{child.role} {child.index} found: {error}")
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
-            self.restarts += 1
+            self._restarts += 1
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
@@ -443,27 +448,7 @@ class Supervisor:
         except GigashuffleError as exc:
             log.warning("could not reclaim the slots of %s: %s", child.proc_id, exc)
 
-    # -- batches ---------------------------------------------------------------------------------------------
-    def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
-        return self.dropped.release_later(child, k)
-
-    def flush_frees(self, *, everything: bool = True) -> None:
-        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader; without
-        ``everything``, only the slots that are due (NOTE [ Batched frees ])."""
-        with critical():  # a slot drained from the queue and not yet sent is in no list (NOTE [ Ctrl-C ])
-            for child, ks in self.dropped.due(everything=everything):
-                self.send_free(child, *ks)
-            if self._dead:
-                self._forget_dead()
-
-    def send_free(self, child: ChildProcess, *ks: int) -> None:
-        if not child.alive:
-            return
-        try:
-            child.channel.send(FreeSlot(ks))
-        except OSError:
-            log.debug("%s %d is gone; its ring slots %s are not returned", child.role, child.index, ks)
-
+    # -- the writers and readers ----------------------------------------------------------------------------
     def writers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "writer" and c.alive]
 
@@ -472,15 +457,44 @@ class Supervisor:
 
     def say_go(self) -> None:
         """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going."""
-        if not self.go:
-            self.go = True
+        if not self._go:
+            self._go = True
             self.send_to_writers(Go())
 
     def load_states(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
         """``load_state_dict``: writers started from now on start from these (writer 0 puts ``saved``, a
         checkpoint's rows, back first); returns the states' serials."""
-        self.go = True
+        self._go = True
         return self.resume.load(states, skips, saved)
+
+    def set_context(self, context: Any) -> None:
+        """``attach_training_context``: every writer gets ``context`` now, and writers started later in their spec."""
+        self._context = context
+        self.send_to_writers(SetContext(context))
+
+    def set_epoch(self, epoch: int) -> None:
+        """``set_epoch``: every writer calls ``dataset.set_epoch(epoch)`` now, and writers started later too."""
+        self._epoch = epoch
+        self.send_to_writers(SetEpoch(epoch))
+
+    # -- a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py) --------------------------------------
+    def start_cut(self, pause: bool) -> None:
+        """With ``pause``, children started from now on start paused."""
+        self._cutting = pause
+
+    def end_cut(self, started: float) -> None:
+        """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again."""
+        self._cutting = False
+        self._paused.clear()
+        self._last_cut_s = time.monotonic() - started
+
+    def state_of(self, index: int) -> DatasetState | None:
+        """Writer ``index``'s answer to the last ``StateRequest`` it answered."""
+        return self._states.get(index)
+
+    def is_paused(self, child: ChildProcess) -> bool:
+        """Whether reader ``child`` answered ``Pause``."""
+        return child.seq in self._paused
 
     def send_to_writers(self, message: ToChild) -> None:
         payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
@@ -499,17 +513,16 @@ class Supervisor:
             self._shutdown()
 
     def _shutdown(self) -> None:
-        if self.closed:
+        if self._closed:
             return
-        self.closed = True
+        self._closed = True
         self._stop_children()
         for child in self.children:
             child.ring = None
             if child.counters is not None:
                 child.counters.close()
                 child.counters = None
-        self.ready.clear()
-        self.dropped.clear()
+        self.inbox.clear()
         table = self.node_table.mapped
         if table is not None:  # other ranks' children go on: give them what ours held
             # Repair takes the slots of holders that no longer exist: a child still dying could commit or release
@@ -523,7 +536,3 @@ class Supervisor:
         self.resume.close()
         self.link.close()
         log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())
-
-
-def _no_placement(ring: BatchRing) -> None:
-    """``on_ring`` until the loader sets its placement's."""

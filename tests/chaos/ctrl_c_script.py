@@ -109,7 +109,7 @@ def _after_storm(loader: MultiprocessShuffledDataloader, deadline_s: float) -> d
     rings_whole = False
     while not rings_whole and time.monotonic() < deadline:
         sup.pump(0.05)
-        ready = collections.Counter(id(c) for c, _k in sup.ready)
+        ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
         rings_whole = len(depth) == len(readers) == 2 and all(ready[key] == d for key, d in depth.items())
     held = [c.held for c in readers]  # now, before the batches below are read
     table = sup.table()

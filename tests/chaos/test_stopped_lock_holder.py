@@ -29,6 +29,7 @@ from redis_servers import wait_until
 from slot_audit import node_table
 
 import gigashuffle.loader as loader_module
+import gigashuffle.trainer.batches as batches_module
 from gigashuffle import NodeLockBusy
 from gigashuffle.host.pids import is_stopped
 
@@ -69,14 +70,14 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
     loader = chaos.loader(ChaosDataset(rows=8), cfg)
     consumer = chaos.consumer(loader)
     consumer.take(5)
-    monkeypatch.setattr(loader_module, "_SLOW_WARNING_S", 0.5)
+    monkeypatch.setattr(batches_module, "_SLOW_WARNING_S", 0.5)
     monkeypatch.setattr(loader_module, "_LOCK_PATIENCE_S", 0.5)
     keys = chaos.keys(cfg)
     with node_table(loader.redis_url, keys, cfg.shuffle_size) as table:
         assert table is not None and table.fd is not None
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(table.fd)], pass_fds=[table.fd])
     warnings = _Warnings()
-    logging.getLogger("gigashuffle.loader").addHandler(warnings)
+    logging.getLogger("gigashuffle.trainer.batches").addHandler(warnings)
     try:
         wait_until(lambda: is_stopped(holder.pid), timeout_s=30.0, what="the lock holder to stop itself")
         stopped_at = time.monotonic()
@@ -107,7 +108,7 @@ def test_a_stopped_lock_holder_is_named_and_batches_resume_once_it_is_gone(
         assert f"pid {holder.pid} " in warnings.texts[0]
         assert "stopped by a signal" in warnings.texts[0]
     finally:
-        logging.getLogger("gigashuffle.loader").removeHandler(warnings)
+        logging.getLogger("gigashuffle.trainer.batches").removeHandler(warnings)
         holder.kill()
         holder.wait(timeout=10.0)
     consumer.take(5)

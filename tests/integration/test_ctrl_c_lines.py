@@ -23,16 +23,17 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm import buffer
-from gigashuffle.trainer.dropped import DroppedBatches
+from gigashuffle.trainer.batches import Batches
+from gigashuffle.trainer.inbox import DroppedBatches, Inbox
 from gigashuffle.trainer.supervisor import Supervisor
 
 BS, SHUFFLE = 8, 256
 RINGS_BACK_S = 60.0  # a started loader's readers refill their rings within a few pumps; generous for a loaded box
 TRACED: set[CodeType] = {
-    MultiprocessShuffledDataloader._next_batch.__code__,
-    MultiprocessShuffledDataloader._deliver.__code__,
-    Supervisor.flush_frees.__code__,
-    Supervisor.send_free.__code__,
+    Batches.next_batch.__code__,
+    Batches.deliver.__code__,
+    Inbox.flush.__code__,
+    Inbox.free.__code__,
     Supervisor._drain.__code__,
     Supervisor._on_message.__code__,
     DroppedBatches.due.__code__,
@@ -70,9 +71,9 @@ class Injector:
 def _ready_within(loader: MultiprocessShuffledDataloader, seconds: float) -> bool:
     sup = loader._sup
     deadline = time.monotonic() + seconds
-    while not sup.ready and time.monotonic() < deadline:
+    while not sup.inbox.ready and time.monotonic() < deadline:
         sup.pump(0.05)
-    return bool(sup.ready)
+    return bool(sup.inbox.ready)
 
 
 def _rings_whole(loader: MultiprocessShuffledDataloader) -> tuple[bool, str]:
@@ -82,7 +83,7 @@ def _rings_whole(loader: MultiprocessShuffledDataloader) -> tuple[bool, str]:
     while time.monotonic() < deadline:
         sup.pump(0.05)
         readers = sup.readers()
-        ready = collections.Counter(id(c) for c, _k in sup.ready)
+        ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
         depths = {id(c): c.ring.depth for c in readers if c.ring is not None}
         held = [c.held for c in readers]
         detail = f"ready {sorted(ready.values())}, depths {sorted(depths.values())}, held {held}"

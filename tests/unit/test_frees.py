@@ -1,4 +1,4 @@
-"""Dropped batches on their way back to their readers (NOTE [ Batched frees ] in trainer/dropped.py), without a loader.
+"""Dropped batches on their way back to their readers (NOTE [ Batched frees ] in trainer/inbox.py), without a loader.
 
 The children are real ``ChildProcess`` records with real rings and channels; what is checked is which ring slots
 are due to go back when, and that the count of held batches falls as soon as the trainer sees a drop.
@@ -16,7 +16,7 @@ from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
-from gigashuffle.trainer.dropped import DroppedBatches, frees_per_message
+from gigashuffle.trainer.inbox import DroppedBatches, frees_per_message
 
 
 def _reader(index: int, depth: int) -> ChildProcess:

@@ -1,0 +1,230 @@
+"""The batches a loader yields: an endless (or ``steps_per_epoch``-long) stream, or fill_once passes; the trainer's
+wait for them, and their hand-over (the ring slots themselves are the inbox's: NOTE [ A ring slot's walk ] in
+trainer/inbox.py)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from gigashuffle.config import DataloaderConfig
+from gigashuffle.errors import GigashuffleError
+from gigashuffle.host.pids import describe_process, is_stopped
+from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
+from gigashuffle.procs.interrupts import critical
+from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.schema import INDEX_KEY
+from gigashuffle.shm.slottable import ShuffleBufferStats
+from gigashuffle.trainer import pinning, progress
+from gigashuffle.trainer.metrics import MetricsReader
+from gigashuffle.trainer.pinning import Batch
+from gigashuffle.trainer.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+_SLOW_WARNING_S = 60.0
+# How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
+_PENDING_PUMP_S = 0.002
+
+
+class Batches:
+    """What ``iter(loader)`` walks: the next batch, waiting for it when none is ready, shaped as the config asks."""
+
+    def __init__(
+        self, config: DataloaderConfig, sup: Supervisor, placement: pinning.Placement, metrics: MetricsReader
+    ) -> None:
+        self.config = config
+        self._sup = sup
+        self._inbox = sup.inbox
+        self._placement = placement
+        self._metrics = metrics
+        # The version of the write each slot held when this trainer last received it: evict() names that write,
+        # so a late evict never drops a newer row (-1: never received here, evict whatever the slot holds).
+        self.versions = np.full(config.shuffle_size, -1, dtype=np.int64)
+        # Filling progress is shown while this rank waits for its first batch, then never again.
+        self._progress: progress.FillProgress | None = None
+        self._first_batch_seen = False
+        self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
+
+    def check_open(self) -> None:
+        if self._sup.closed:
+            raise GigashuffleError(f"the loader of queue {self.config.queue_name!r} is closed")
+        self._sup.raise_if_failed()
+
+    def stop_progress(self) -> None:
+        """At close: a filling bar still shown ends, unreached."""
+        if self._progress is not None:
+            self._progress.finish(reached=False)
+            self._progress = None
+
+    def stream(self) -> Iterator[Any]:
+        steps = self.config.steps_per_epoch
+        if steps is None:
+            while True:
+                yield self.next_batch()
+        for _ in range(steps):
+            yield self.next_batch()
+
+    def one_pass(self) -> Iterator[Any]:
+        sup, inbox = self._sup, self._inbox
+        inbox.abandon_pass(sup.pump)  # the rest of a pass the caller abandoned: the next starts at its first batch
+        reader = self.wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
+        inbox.open_pass(reader)
+        while True:
+            while not inbox.ready and not inbox.pass_over:
+                self._show_filling()
+                self._pump()
+            self._filled()
+            if inbox.ready:
+                with critical():
+                    batch = self.deliver(*inbox.pop())
+                yield batch
+            else:
+                inbox.close_pass()
+                return
+
+    def next_batch(self) -> Any:
+        sup, inbox = self._sup, self._inbox
+        self.check_open()
+        sup.say_go()
+        # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
+        # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
+        # [ Batched frees ]).
+        self._placement.poll()
+        inbox.flush(everything=not inbox.ready)
+        if not inbox.ready:
+            self._wait_for_batch()
+        self._filled()
+        # Popped and handed over in one section: a batch popped and never made is a ring slot lost for good. A Ctrl-C
+        # meanwhile drops this batch on the way out, and its slot returns like any dropped batch's (NOTE [ Ctrl-C ]).
+        with critical():
+            return self.deliver(*inbox.pop())
+
+    def _wait_for_batch(self) -> None:
+        """Pump until a batch is ready: the trainer's wait, timed for metrics() and named in profiler traces."""
+        sup, inbox = self._sup, self._inbox
+        waited_since = time.monotonic()
+        next_warning = waited_since + _SLOW_WARNING_S
+        try:
+            with torch.profiler.record_function("gigashuffle.wait"):
+                while not inbox.ready:
+                    self._show_filling()
+                    self._pump()
+                    if time.monotonic() > next_warning:
+                        # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
+                        log.warning(
+                            "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
+                            self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
+                            self.config.min_full_slots, _stopped_lock_holder(sup),
+                        )  # fmt: skip
+                        next_warning += _SLOW_WARNING_S
+        finally:
+            self._metrics.wait_s += time.monotonic() - waited_since
+
+    def _show_filling(self) -> None:
+        if self._first_batch_seen:
+            return
+        if time.monotonic() > self._late_writers_due:
+            self._late_writers_due = float("inf")
+            _log_late_writers(self._sup)
+        if self._progress is None:
+            cfg = self.config
+            self._progress = progress.FillProgress(
+                f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
+                cfg.min_full_slots,
+                functools.partial(_full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
+                bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
+            )
+        self._progress.update()
+
+    def _filled(self) -> None:
+        if self._first_batch_seen:
+            return
+        self._first_batch_seen = True
+        if self._progress is not None:
+            self._progress.finish()
+            self._progress = None
+
+    def _pump(self) -> None:
+        """Wait a little for messages; with pinned rings, also release the ring slots whose copies are done."""
+        placement = self._placement
+        if not placement.tracks:
+            self._sup.pump()
+            return
+        # Block on a copy only when no reader has a free ring slot left: otherwise the GPU work queued before it
+        # would stall the trainer for nothing.
+        placement.poll(wait=self._inbox.starved(self._sup.readers()))
+        if placement.pending:
+            self._sup.pump(_PENDING_PUMP_S)
+        else:
+            self._sup.pump()
+
+    def deliver(self, child: ChildProcess, k: int) -> Any:
+        self._metrics.batches += 1
+        return self.shape(self._deliver_list(child, k))
+
+    def shape(self, batch: Batch) -> Any:
+        """The batch as the config asks: without INDEX_KEY, and as the one group's dict (both cost a dict op)."""
+        cfg = self.config
+        if not cfg.index_key:
+            del batch[0][INDEX_KEY]
+        if cfg.batch_format == "list":
+            return batch
+        if len(batch) != 1:
+            raise ValueError(
+                f"DataloaderConfig.batch_format='dict' is invalid for queue {cfg.queue_name!r}: the dataset's chunks "
+                f"have {len(batch)} groups, and a dict holds one; use batch_format='list' or yield one group"
+            )
+        return batch[0]
+
+    def _deliver_list(self, child: ChildProcess, k: int) -> Batch:
+        ring = child.ring
+        if ring is None:
+            raise AssertionError("a batch arrived before its reader's ring")
+        if not self.config.evict_on_read:
+            _fields, index = ring.regions(k)
+            self.versions[index.numpy()] = ring.versions(k)
+        return self._inbox.hand_over(child, k)
+
+    def wait_for(self, probe: Any, what: str) -> Any:
+        while (found := probe()) is None:
+            self._sup.pump()
+        return found
+
+
+def _counts(sup: Supervisor) -> ShuffleBufferStats:
+    """The slot counts from the table's header, without its lock (they never wait: NOTE [ A stopped lock holder ])."""
+    table = sup.table()
+    return ShuffleBufferStats(0, 0, 0) if table is None else table.counts()[2]
+
+
+def _stopped_lock_holder(sup: Supervisor) -> str:
+    table = sup.table()
+    holder = None if table is None else table.lock_holder()
+    if holder is None or not is_stopped(holder):
+        return ""
+    return f"; the node's slot-table lock is held by {describe_process(holder)}"
+
+
+def _log_late_writers(sup: Supervisor) -> None:
+    late = sup.late_writers()
+    if late:
+        cfg = sup.config
+        log.warning(
+            "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
+            "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
+            "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
+            cfg.queue_name, cfg.global_rank, late, share(cfg), FIRST_MIX_WAIT_S, FIRST_MIX_WAIT_S,
+        )  # fmt: skip
+
+
+def _full_slots(sup: Supervisor) -> int:
+    sup.raise_if_failed()
+    return _counts(sup).full

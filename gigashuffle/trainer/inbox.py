@@ -1,0 +1,239 @@
+"""The trainer's inbox: one home for the trainer-side life of a reader's ring slot.
+
+NOTE [ A ring slot's walk ]
+A batch walks from a reader to the trainer and back through the reader, this inbox and the reader's ring only:
+  1. the reader gathers rows into ring slot ``k`` and announces it (``BatchReady``); the supervisor's pump hands the
+     announcement to ``Inbox.announced``: the slot is *ready*;
+  2. the loader ``pop()``s it and ``hand_over()`` makes the batch: views of the ring (the slot is *held* until the
+     caller drops the last of them), a device copy (held until the copy is done: NOTE [ GPU placement ] in
+     pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once;
+  3. a dropped batch's finalizer records the slot (*dropped*), ``flush`` moves it to the reader's *unsent* slots and
+     sends them back in one ``FreeSlot`` (NOTE [ Batched frees ]): the reader may gather into it again.
+A fill_once pass (``open_pass``) ends when the reader's ``PassEnd`` has come and no batch of it is ready. Slots of a
+reader that died are never sent back (its ring is gone with it); the inbox forgets such a reader, and unmaps its
+ring, once no batch of it is ready or held.
+
+NOTE [ Batched frees ]
+A delivered batch is a set of views into one slot ``k`` of its reader's ring; when the caller drops the last of
+them, a finalizer (any thread, so it only appends to a deque) records ``(child, k)``. The trainer thread drains
+that record: the child's ``held`` count falls at once (``Inbox.hand_over``'s copy fallback reads it), and ``k`` joins
+the child's unsent slots. Sending them is what costs: a ``FreeSlot`` is a send for the trainer and a wakeup and a
+receive for the reader, and one per batch was a tenth of the trainer's CPU on token rows. So:
+  * while a batch is ready, the trainer returns a reader's slots once half its ring waits to go back
+    (``frees_per_message``): the reader keeps the other half to draw into, and gets its slots in one message;
+  * whenever the trainer is about to wait (no batch ready, every pump, a pass that ends), it sends them all.
+A reader therefore never waits for a slot the trainer keeps while the trainer waits for a batch: there is no
+deadlock to construct, and the delay a reader sees is bounded by the batches the trainer had in hand anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+from gigashuffle.procs import interrupts
+from gigashuffle.procs.interrupts import critical
+from gigashuffle.procs.messages import FreeSlot, StartPass
+from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.shm import buffer
+from gigashuffle.trainer.pinning import Batch, Placement
+
+log = logging.getLogger(__name__)
+
+# The weakref callback that runs ``release_later``'s partial when a batch's last view dies, at any bytecode of the
+# caller: a Ctrl-C in it would lose the ring slot (NOTE [ Ctrl-C ] in procs/interrupts.py). shm/buffer.py exports no
+# name for it, so it is named here.
+interrupts.protect(buffer._released.__code__)
+
+
+def frees_per_message(ring_depth: int) -> int:
+    """How many of a reader's ring slots go back in one message while the trainer has batches in hand."""
+    return max(1, ring_depth // 2)
+
+
+class DroppedBatches:
+    """The ring slots of dropped batches, by reader, until the trainer sends them back (NOTE [ Batched frees ])."""
+
+    def __init__(self) -> None:
+        self._dropped: deque[tuple[ChildProcess, int]] = deque()  # appended by batch finalizers, on any thread
+        self._unsent: dict[int, ChildProcess] = {}  # id(child) -> a child with slots in child.unsent
+
+    def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
+        """The finalizer of a batch in ring slot ``k`` of ``child``: a C call with no Python frame of its own, so
+        no Ctrl-C can land between its start and the append (NOTE [ Ctrl-C ] in procs/interrupts.py)."""
+        return functools.partial(self._dropped.append, (child, k))
+
+    def due(self, *, everything: bool) -> Iterator[tuple[ChildProcess, list[int]]]:
+        """Drain the dropped batches; yield each reader's slots that are due to go back now (all of them, with
+        ``everything``), in one list per reader. The caller runs the whole loop in one ``critical()`` section: a
+        slot popped here and not yet sent is in no list."""
+        dropped = self._dropped
+        while dropped:
+            child, k = dropped.popleft()
+            child.held -= 1
+            child.unsent.append(k)
+            self._unsent[id(child)] = child
+        for key, child in list(self._unsent.items()):
+            if everything or child.ring is None or len(child.unsent) >= frees_per_message(child.ring.depth):
+                ks, child.unsent = child.unsent, []
+                del self._unsent[key]
+                yield child, ks
+
+    def clear(self) -> None:
+        self._dropped.clear()
+        for child in self._unsent.values():
+            child.unsent = []
+        self._unsent.clear()
+
+
+# The one fill_once pass a reader runs at a time (``StartPass`` / ``PassEnd`` number).
+_PASS = 0
+
+
+class Inbox:
+    """The ring slots of this rank's readers while the trainer has them: ready, held, dropped and unsent, the pass
+    protocol, and forgetting dead readers (NOTE [ A ring slot's walk ]). ``children`` is the supervisor's list of
+    children: the inbox removes from it, in place, exited children it no longer refers to."""
+
+    def __init__(self, placement: Placement, children: list[ChildProcess]) -> None:
+        self._placement = placement
+        self._children = children
+        self._ready: deque[tuple[ChildProcess, int]] = deque()
+        self._dropped = DroppedBatches()
+        self._passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
+        self._pass_open = False
+        self._dead = 0  # children that exited and are still listed (see _forget_dead)
+
+    # -- what the readers said (the supervisor's pump) -------------------------------------------------------
+    def announced(self, child: ChildProcess, ks: Iterable[int]) -> None:
+        self._ready.extend((child, k) for k in ks)
+
+    def pass_ended(self, number: int) -> None:
+        self._passes_ended.add(number)
+
+    def child_exited(self) -> None:
+        """A child exited: forget it at the next flush once nothing of it is ready or held."""
+        self._dead += 1
+
+    # -- ready batches ---------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> int:
+        """How many announced batches wait to be handed over."""
+        return len(self._ready)
+
+    def waiting(self) -> Iterator[tuple[ChildProcess, int]]:
+        """The ready batches, oldest first, as (reader, ring slot): read-only (the checkpoint's cut copies them)."""
+        return iter(tuple(self._ready))
+
+    def pop(self) -> tuple[ChildProcess, int]:
+        """The oldest ready batch; the caller hands it over (``hand_over``) or frees it in the same section."""
+        return self._ready.popleft()
+
+    def hand_over(self, child: ChildProcess, k: int) -> Batch:
+        """Batch ``k`` of ``child``'s ring as the caller gets it: the ring's views, a device copy, or, when the
+        caller holds most of the ring, a copy (the slot goes back at once, so the reader can go on: never a stall)."""
+        ring = child.ring
+        if ring is None:
+            raise AssertionError("a batch arrived before its reader's ring")
+        placement = self._placement
+        if placement.moves:
+            # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
+            child.held += 1
+            return placement.deliver(ring, k, self._dropped.release_later(child, k))
+        if child.held >= ring.depth - 1 and placement.pending:
+            self._await_copies(child, ring.depth - 1)
+        if child.held >= ring.depth - 1:
+            # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
+            batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
+            self.free(child, k)
+            return batch
+        child.held += 1
+        return placement.deliver(ring, k, self._dropped.release_later(child, k))
+
+    def _await_copies(self, child: ChildProcess, limit: int) -> None:
+        """Pinned rings: wait for the oldest pending copies until ``child`` holds fewer than ``limit`` slots, rather
+        than hand out a pageable copy for slots the caller already dropped (NOTE [ GPU placement ])."""
+        placement = self._placement
+        while child.held >= limit and placement.pending:
+            if not placement.poll():
+                placement.poll(wait=True)
+            self.flush(everything=False)
+
+    def starved(self, readers: list[ChildProcess]) -> bool:
+        """Whether every reader with a ring has all its slots in the caller's hands (none left to gather into)."""
+        rings = [c for c in readers if c.ring is not None]
+        return bool(rings) and all(c.ring is not None and c.held >= c.ring.depth for c in rings)
+
+    # -- frees -----------------------------------------------------------------------------------------------
+    def flush(self, *, everything: bool = True) -> None:
+        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader; without
+        ``everything``, only the slots that are due (NOTE [ Batched frees ])."""
+        with critical():  # a slot drained from the queue and not yet sent is in no list (NOTE [ Ctrl-C ])
+            for child, ks in self._dropped.due(everything=everything):
+                self.free(child, *ks)
+            if self._dead:
+                self._forget_dead()
+
+    def free(self, child: ChildProcess, *ks: int) -> None:
+        """Send ring slots ``ks`` back to ``child`` now (a dead reader's are not: its ring is gone with it)."""
+        if not child.alive:
+            return
+        try:
+            child.channel.send(FreeSlot(ks))
+        except OSError:
+            log.debug("%s %d is gone; its ring slots %s are not returned", child.role, child.index, ks)
+
+    def _forget_dead(self) -> None:
+        """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to
+        be started again. A week of restarts must not keep every dead reader's ring mapped in the trainer."""
+        waiting = {id(child) for child, _k in self._ready}
+        kept: list[ChildProcess] = []
+        for child in self._children:
+            if child.alive or child.superseded or child.held > 0 or id(child) in waiting:
+                kept.append(child)
+            else:
+                if child.ring is not None:
+                    child.ring.close()  # views the caller still holds keep their pages mapped
+                    child.ring = None
+                if child.counters is not None:
+                    child.counters.close()
+                    child.counters = None
+        self._children[:] = kept
+        self._dead = sum(not child.alive for child in kept)
+
+    # -- the fill_once pass ----------------------------------------------------------------------------------
+    @property
+    def pass_over(self) -> bool:
+        """The open pass's reader sent ``PassEnd`` (its last batches may still be ready)."""
+        return _PASS in self._passes_ended
+
+    def open_pass(self, reader: ChildProcess) -> None:
+        """Ask ``reader`` for one pass over the buffer."""
+        with critical():  # a pass asked for is a pass open: NOTE [ Ctrl-C ]
+            self._passes_ended.discard(_PASS)
+            reader.channel.send(StartPass(_PASS))
+            self._pass_open = True
+
+    def close_pass(self) -> None:
+        """The pass is over and every batch of it was handed over."""
+        self._passes_ended.discard(_PASS)
+        self._pass_open = False
+
+    def abandon_pass(self, pump: Callable[[], None]) -> None:
+        """Discard the rest of a pass the caller abandoned, so the next pass starts at its first batch."""
+        while self._pass_open:
+            while self._ready:
+                with critical():
+                    child, k = self._ready.popleft()
+                    self.free(child, k)
+            if self.pass_over:
+                self.close_pass()
+            else:
+                pump()
+
+    def clear(self) -> None:
+        """At shutdown: the readers are gone, and so is every slot still to return."""
+        self._ready.clear()
+        self._dropped.clear()
