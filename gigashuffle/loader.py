@@ -27,9 +27,9 @@ from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer import datasetstate, pinning
 from gigashuffle.trainer.batches import Batches
-from gigashuffle.trainer.finalizer import at_exit, shutdown
 from gigashuffle.trainer.metrics import LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
+from gigashuffle.trainer.teardown import at_exit, shutdown
 
 log = logging.getLogger(__name__)
 

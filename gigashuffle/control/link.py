@@ -1,7 +1,7 @@
 """A trainer's link to the control plane: which Redis, the client, the embedded server if ours, and the session.
 
 One object opens them in order and closes them in reverse, so a loader that fails half-built and one that closes
-normally undo the same things the same way (NOTE [ Shutdown ] in trainer/supervisor.py).
+normally undo the same things the same way (NOTE [ Shutdown ] in trainer/teardown.py).
 """
 
 from __future__ import annotations

@@ -56,31 +56,15 @@ rows: the bound is about 4x the 1 + 1 rate for tiny rows and 10x for token rows.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.errors import AttachError
-from gigashuffle.host.pids import pid_namespace, process_start
-from gigashuffle.shm.buffer import SharedMemory
-from gigashuffle.shm.holders import REGISTRY_BYTES, REGISTRY_ROWS, HolderRegistry
+from gigashuffle.host.pids import process_start
+from gigashuffle.shm.holders import REGISTRY_ROWS
 from gigashuffle.shm.journal import (
     H_CLOCK,
     H_EMPTY,
     H_FULL,
-    H_HELD_NS,
-    H_HOLDS,
-    H_LENGTH,
-    H_MAGIC,
-    H_PIDNS,
-    H_READ,
-    H_SLOTS,
-    H_WRITTEN,
-    HEADER_BYTES,
     OP_ACQUIRE,
     OP_COMMIT,
     OP_DRAW,
@@ -89,129 +73,20 @@ from gigashuffle.shm.journal import (
     OP_RELEASE_EVICT,
     OP_RELEASE_KEEP,
     OP_REPAIR,
-    Journal,
 )
-from gigashuffle.shm.nodelock import NodeLock
-from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds, SlotPicker
+from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds
+from gigashuffle.shm.slotmap import LockUsage, ShuffleBufferStats, SlotMap, Versions, table_nbytes
 
 __all__ = [
     "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",
     "ShuffleBufferStats", "SlotIds", "SlotTable", "Versions", "table_nbytes",
 ]  # fmt: skip
 
-Versions = npt.NDArray[np.int64]
-
-_MAGIC = 0x67735F736C6F7436  # "gs_slot6"
 _NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
-class LockUsage:
-    """How much a node's slot-table lock has been held since its buffer was created: compare two readings over a
-    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ])."""
-
-    held_s: float
-    holds: int
-
-
-@dataclass(frozen=True)
-class ShuffleBufferStats:
-    """Slot counts of a node's buffer: ``full + empty + in_flight == shuffle_size`` once it is allocated."""
-
-    full: int
-    empty: int
-    in_flight: int
-
-
-def table_nbytes(slots: int) -> int:
-    return HEADER_BYTES + REGISTRY_BYTES + slots * (8 + 4 + 4 + 1) + 64
-
-
-class SlotTable:
+class SlotTable(SlotMap):
     """The slot table of one node buffer. ``memory=None`` creates it (every slot empty); else it maps ``memory``."""
-
-    def __init__(self, slots: int, memory: SharedMemory | None = None, seed: int | None = None) -> None:
-        if slots <= 0:
-            raise ValueError(f"a slot table needs at least one slot, got slots={slots}")
-        self.slots = slots
-        self.memory = memory or SharedMemory(table_nbytes(slots), name="gigashuffle-slots")
-        if self.memory.fd is None:
-            raise ValueError("a slot table needs the memfd itself (to open its own lock), not a closed one")
-        raw = self.memory.numpy_view(0, table_nbytes(slots))
-        self._header = raw[:HEADER_BYTES].view(np.int64)
-        self._holders = HolderRegistry(raw[HEADER_BYTES : HEADER_BYTES + REGISTRY_BYTES].view(np.int64).reshape(-1, 2))
-        offset = HEADER_BYTES + REGISTRY_BYTES
-        self.version = raw[offset : offset + 8 * slots].view(np.int64)
-        offset += 8 * slots
-        self.holder = raw[offset : offset + 4 * slots].view(np.int32)
-        journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
-        offset += 8 * slots
-        self.state = raw[offset : offset + slots]
-        self._journal = Journal(self._header, journal_ids, self.state, self.holder)
-        if memory is None:
-            self._header[[H_MAGIC, H_SLOTS, H_EMPTY, H_PIDNS]] = (_MAGIC, slots, slots, pid_namespace())
-        elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
-            raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
-        elif self._header[H_PIDNS] != pid_namespace():
-            raise AttachError(
-                f"the node buffer was created in pid namespace {int(self._header[H_PIDNS])} and this process runs in "
-                f"{pid_namespace()} (another container?): its slots are held under pids this process cannot check; "
-                "run every process of a node in one pid namespace (e.g. docker --pid=host or a shared pod)"
-            )
-        self._picker = SlotPicker(slots, seed)
-        self._lock = NodeLock(self.memory)
-        self._held_since_ns = 0  # when this process last took the lock (only one thread holds it: NodeLock)
-
-    @property
-    def fd(self) -> int | None:
-        return self.memory.fd
-
-    # -- locking and the journal -----------------------------------------------------------------------------
-    @contextmanager
-    def _locked(self, wait_s: float | None = None) -> Iterator[None]:
-        self._acquire(wait_s)
-        try:
-            yield
-        finally:
-            self._release()
-
-    # The hot transitions call _acquire/_release in try/finally instead of ``with self._locked()``: a generator
-    # context manager costs a few microseconds per use, several times per batch.
-    def _acquire(self, wait_s: float | None = None) -> None:
-        """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
-        if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
-        self._lock.acquire(wait_s)
-        try:
-            self._held_since_ns = time.perf_counter_ns()
-            if self._header[H_LENGTH]:
-                self._journal.roll_forward()
-        except BaseException:
-            self._lock.release()  # not _release(): its figures are for transitions, and this table may be closed
-            raise
-
-    def _release(self) -> None:
-        # Statistics, not journaled: a holder killed here loses one hold's figures, nothing else; an exception
-        # here (a table closed by another thread) must not keep the lock.
-        try:
-            header = self._header
-            header[H_HELD_NS] += time.perf_counter_ns() - self._held_since_ns
-            header[H_HOLDS] += 1
-        finally:
-            self._lock.release()
-
-    def lock_usage(self) -> LockUsage:
-        """The node lock's total hold time and number of holds, from the header without the lock."""
-        return LockUsage(int(self._header[H_HELD_NS]) / 1e9, int(self._header[H_HOLDS]))
-
-    def full_and_clock(self) -> tuple[int, int]:
-        """The full-slot count and the version clock (the last version handed out), from the header without the
-        lock: a reader's metrics sample (NOTE [ Child counters ] in shm/counters.py)."""
-        header = self._header
-        return int(header[H_FULL]), int(header[H_CLOCK])
-
-    def lock_holder(self) -> int | None:
-        """The pid holding the node lock now (from ``/proc/locks``), or None."""
-        return self._lock.holder()
 
     def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
         """The slots of ``ids`` that ``pid`` holds in one of ``states``. Called before the lock is taken, by
@@ -440,14 +315,6 @@ class SlotTable:
         self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
         return len(ids)
 
-    def counts(self) -> tuple[int, int, ShuffleBufferStats]:
-        """Rows written and read, and the slot counts, read from the header without the lock, so this never waits
-        (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
-        aligned word that was true at some moment; together they may straddle one transition."""
-        header = self._header
-        written, read, full, empty = (int(header[i]) for i in (H_WRITTEN, H_READ, H_FULL, H_EMPTY))
-        return written, read, ShuffleBufferStats(full, empty, self.slots - full - empty)
-
     def stats(self, wait_s: float | None = None) -> ShuffleBufferStats:
         """The slot counts at one moment: the header's counts read under the lock, which every transition keeps
         exact (journaled with it), so this costs the same for any table size."""
@@ -461,14 +328,3 @@ class SlotTable:
         """The slots that are full right now (a checkpoint's copy of the buffer: NOTE [ Checkpoint cut ])."""
         with self._locked(wait_s):
             return np.flatnonzero(self.state == FULL)
-
-    def close(self) -> None:
-        """Drop this process's lock description and mapping (live numpy views keep the mapping)."""
-        self._lock.close()
-        self.memory.close()
-        # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
-        self._header = self.version = np.empty(0, dtype=np.int64)
-        self.holder = np.empty(0, dtype=np.int32)
-        self.state = np.empty(0, dtype=np.uint8)
-        self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)
-        self._holders = HolderRegistry(np.empty((0, 2), dtype=np.int64))

@@ -18,7 +18,7 @@ from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.plane import NodeCounts
 from gigashuffle.control.session import NodeSession
 from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
-from gigashuffle.errors import AttachError, GigashuffleError
+from gigashuffle.errors import AttachError, GigashuffleError, NodeLockBusy
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.procs.interrupts import critical
@@ -27,6 +27,8 @@ from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
 
+# How long the trainer waits for the node lock to return a dead child's slots: children's housekeeping does it too.
+_REPAIR_WAIT_S = 1.0
 # How long one try to map the table waits for a child's attach socket to answer (the loader tries again later).
 _ATTACH_TABLE_S = 2.0
 
@@ -107,6 +109,30 @@ class TableView:
             log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
             return
         self._meta_fields = unsigned_fields(meta)
+
+    def repair_reaped(self, proc_id: str) -> None:
+        """Return the slots of a child the zygote reaped (it no longer exists), mapping the table if need be."""
+        try:
+            table = self.get()
+            if table is not None:
+                repaired = table.repair(wait_s=_REPAIR_WAIT_S)
+                log.debug("repaired %d slots of %s", repaired, proc_id)
+        except NodeLockBusy as exc:  # NOTE [ A stopped lock holder ] in shm/slottable.py
+            log.warning("%s; the slots of %s are returned by the next housekeeping after it", exc, proc_id)
+
+    def repair_at_close(self) -> None:
+        """At shutdown, once the zygote reaped this rank's children: other ranks' children go on, so give them
+        what ours held (only when the table is mapped)."""
+        table = self._table
+        if table is None:
+            return
+        # Repair takes the slots of holders that no longer exist: a child still dying could commit or release
+        # slots just repaired (its check of what it holds precedes the lock: NOTE [ Node lock budget ]), so
+        # children the zygote did not reap are left to later housekeeping (theirs, or the other ranks').
+        try:
+            table.repair(wait_s=_REPAIR_WAIT_S)
+        except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
+            log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
 
     def close(self) -> None:
         if self._buffer is not None:

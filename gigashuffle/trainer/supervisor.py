@@ -33,27 +33,6 @@ start before the ranks that can have: finding no metadata, it looks for the node
 directory and publishes that one again (NOTE [ A buffer Redis forgot ] in procs/forgottenbuffer.py), so a node keeps one
 buffer.
 Only a Redis that stays unreachable past ``redis_timeout_s`` fails the loader (``QueueStateLostError``).
-
-NOTE [ Shutdown ]
-The teardown order, per actor, written once; each step assumes the ones before it are done.
-* Trainer (``loader.close()``, ``__exit__``, or the loader's ``weakref.finalize`` at garbage collection or
-  interpreter exit; all run ``_shutdown`` in loader.py once):
-  1. the placement waits for copies still reading the reader rings (pinned or on a GPU), then unregisters the
-     rings: a ring must stay mapped while a DMA reads it;
-  2. ``Supervisor.shutdown`` (idempotent): the zygote kills every child and reaps them (``Zygote.close``); the
-     children's attach sockets go; then the slot table is repaired for the children known reaped (other ranks'
-     children go on and need the slots ours held) and only then unmapped: repair needs the table and its lock fd;
-  3. the control link closes last (``ControlLink.close``): leave the node session (the last rank deletes the
-     queue's keys), close the client, release the embedded server (its last user shuts it down).
-  A half-built loader undoes the same steps for what it opened: ``ControlLink.open`` its own, the Supervisor's
-  constructor the zygote.
-* Zygote: when its channel closes (the trainer closed it or died), it SIGKILLs its children, reaps them, removes
-  their attach sockets and exits without interpreter teardown (``procs/zygote.py``).
-* Child: dies with the zygote (PR_SET_PDEATHSIG); a child that exits on its own closes its attach server, its
-  maps and its Redis client (``ChildEnv.close``). It never repairs for itself: a dead child's slots are the next
-  lock holder's to repair (NOTE [ Slot table ] in shm/slottable.py).
-* Embedded server: stopped by the last live user's release; one whose starter died is found dead by the next
-  user and its socket file removed.
 """
 
 from __future__ import annotations
@@ -67,10 +46,10 @@ from typing import Any
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
-from gigashuffle.errors import GigashuffleError, NodeLockBusy, QueueStateLostError, WorkerDied
+from gigashuffle.errors import GigashuffleError, QueueStateLostError, WorkerDied
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.channel import ChannelClosed
-from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec, proc_name
+from gigashuffle.procs.childenv import proc_name
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import (
     Attached,
@@ -93,12 +72,12 @@ from gigashuffle.procs.messages import (
     ZygoteEvent,
 )
 from gigashuffle.procs.pickling import dumps_by_value
-from gigashuffle.procs.seeds import base_seed
 from gigashuffle.procs.zygoteclient import ChildProcess, Zygote
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.slottable import SlotTable
+from gigashuffle.trainer.childspecs import ChildSpecs
 from gigashuffle.trainer.inbox import Inbox
 from gigashuffle.trainer.nodetable import TableView
 from gigashuffle.trainer.pinning import Placement
@@ -107,8 +86,6 @@ from gigashuffle.trainer.resumepoints import ResumePoints
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
-# How long the trainer waits for the node lock to return a dead child's slots: children's housekeeping does it too.
-_REPAIR_WAIT_S = 1.0
 
 
 class Supervisor:
@@ -123,14 +100,11 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.dataset = dataset
-        self.link = link  # closed last by shutdown(): NOTE [ Shutdown ]
+        self.link = link  # closed last by shutdown(): NOTE [ Shutdown ] in trainer/teardown.py
         self.client = link.client
         self.redis_url = link.url
         session = self.session = link.session
-        # A stateful dataset's writers track their commits and hold before reading until ``say_go()`` (NOTE
-        # [ Respawned writers ] and [ Restore before reading ] in procs/resume.py); a feed-only rank never asks.
         self.stateful = stateful
-        self._go = not stateful or config.num_readers == 0
         self.resume = ResumePoints(config.num_writers)
         self.runtime_dir = runtime_dir
         self.runtime_path = Path(runtime_dir)
@@ -139,41 +113,26 @@ class Supervisor:
         self._on_ring = placement.adopt  # a reader's ring arrived: rings are registered with CUDA then, not per batch
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
-        self._cutting = False  # a checkpoint's cut is on: children started now start paused
         self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
         self._closed = False
         self._restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
-        self._context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
-        self._epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
         self.node_table = TableView(config, session, self.runtime_path)
         session.counts = self.node_table.counts
-        self.seed, origin = base_seed(config, session.generation, os.environ)
-        log.info(
-            "queue %r rank %d: seed %d (from %s); DataloaderConfig(seed=%d) repeats the writers' streams",
-            config.queue_name, config.global_rank, self.seed, origin, self.seed,
-        )  # fmt: skip
-        self._starts: dict[tuple[str, int], int] = {}
+        self._specs = ChildSpecs(config, dataset, link, runtime_dir, stateful, self.resume)
+        self.seed = self._specs.seed
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
         try:
-            self._spawn_all()
+            for role, index in self._specs.every_child():
+                self.children.append(self._spawn(role, index, restarts=0))
         except BaseException:
             # E.g. an unpicklable dataset: the loader gets no Supervisor to shut down, so stop the zygote now.
             self.zygote.close()
             for child in self.children:
                 child.channel.close()
             raise
-
-    def _spawn_all(self) -> None:
-        counts: tuple[tuple[Role, int], ...] = (
-            ("writer", self.config.num_writers),
-            ("reader", self.config.num_readers),
-        )
-        for role, count in counts:
-            for index in range(count):
-                self.children.append(self._spawn(role, index, restarts=0))
 
     # -- read-only figures ----------------------------------------------------------------------------------
     @property
@@ -183,7 +142,7 @@ class Supervisor:
     @property
     def go(self) -> bool:
         """Whether writers read their datasets (NOTE [ Restore before reading ] in procs/resume.py)."""
-        return self._go
+        return self._specs.go
 
     @property
     def restarts(self) -> int:
@@ -199,44 +158,11 @@ class Supervisor:
         """The live writers that have not written their share of the node's first mix (NOTE [ First mix ])."""
         return sorted(c.index for c in self.writers() if c.index not in self._mix_shares)
 
-    # -- spawning --------------------------------------------------------------------------------------------
-    def _spec(self, role: Role, index: int) -> bytes:
-        state, skip, serial, saved = self.resume.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
-        start = self._starts.get((role, index), 0)
-        self._starts[(role, index)] = start + 1
-        spec = ChildSpec(
-            role=role,
-            index=index,
-            config=self.config,
-            redis_url=self.redis_url,
-            generation=self.session.generation,
-            runtime_dir=self.runtime_dir,
-            dataset=self.dataset if role == "writer" else None,
-            context=self._context,
-            dataset_state=state,
-            seed=self.seed,
-            start=start,
-            stateful=self.stateful,
-            skip=skip,
-            serial=serial,
-            go=self._go and not self._cutting,
-            saved_rows=saved,
-            epoch=self._epoch if role == "writer" else None,
-        )
-        try:
-            return dumps_by_value(spec)
-        except Exception as exc:
-            raise TypeError(
-                f"the dataset {type(self.dataset).__name__} (or the training context) cannot be pickled for "
-                f"the writer processes: {exc}; keep open files, sockets, locks and threads out of it until "
-                "__iter__ (open them there)"
-            ) from exc
-
     def _spawn(self, role: Role, index: int, restarts: int) -> ChildProcess:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
-        seq, channel = self.zygote.spawn(self._spec(role, index), title)
-        if role == "reader" and self._cutting:
+        seq, channel = self.zygote.spawn(self._specs.spec(role, index), title)
+        if role == "reader" and self._specs.cutting:
             channel.send(Pause())  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
@@ -435,13 +361,7 @@ class Supervisor:
         """Repair a dead child's slots in the table, then drop it from the process registry."""
         if child.pid is None:
             return
-        try:
-            table = self.table()
-            if table is not None:
-                repaired = table.repair(wait_s=_REPAIR_WAIT_S)  # the zygote reaped it: it no longer exists
-                log.debug("repaired %d slots of %s", repaired, child.proc_id)
-        except NodeLockBusy as exc:  # NOTE [ A stopped lock holder ] in shm/slottable.py
-            log.warning("%s; the slots of %s are returned by the next housekeeping after it", exc, child.proc_id)
+        self.node_table.repair_reaped(child.proc_id)
         try:
             if child.proc_id:
                 self.session.store.unregister(child.proc_id)
@@ -457,34 +377,34 @@ class Supervisor:
 
     def say_go(self) -> None:
         """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going."""
-        if not self._go:
-            self._go = True
+        if not self._specs.go:
+            self._specs.go = True
             self.send_to_writers(Go())
 
     def load_states(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
         """``load_state_dict``: writers started from now on start from these (writer 0 puts ``saved``, a
         checkpoint's rows, back first); returns the states' serials."""
-        self._go = True
+        self._specs.go = True
         return self.resume.load(states, skips, saved)
 
     def set_context(self, context: Any) -> None:
         """``attach_training_context``: every writer gets ``context`` now, and writers started later in their spec."""
-        self._context = context
+        self._specs.context = context
         self.send_to_writers(SetContext(context))
 
     def set_epoch(self, epoch: int) -> None:
         """``set_epoch``: every writer calls ``dataset.set_epoch(epoch)`` now, and writers started later too."""
-        self._epoch = epoch
+        self._specs.epoch = epoch
         self.send_to_writers(SetEpoch(epoch))
 
     # -- a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py) --------------------------------------
     def start_cut(self, pause: bool) -> None:
         """With ``pause``, children started from now on start paused."""
-        self._cutting = pause
+        self._specs.cutting = pause
 
     def end_cut(self, started: float) -> None:
         """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again."""
-        self._cutting = False
+        self._specs.cutting = False
         self._paused.clear()
         self._last_cut_s = time.monotonic() - started
 
@@ -506,9 +426,9 @@ class Supervisor:
 
     # -- teardown --------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every child and release every resource (NOTE [ Shutdown ]); safe to call twice and from a finalizer.
-        A Ctrl-C meanwhile
-        waits for the end of it (NOTE [ Ctrl-C ]): a teardown stopped half way leaves processes and Redis keys."""
+        """Stop every child and release every resource (NOTE [ Shutdown ] in trainer/teardown.py); safe to call
+        twice and from a finalizer. A Ctrl-C meanwhile waits for the end of it (NOTE [ Ctrl-C ]): a teardown stopped
+        half way leaves processes and Redis keys."""
         with critical(deliver=False):
             self._shutdown()
 
@@ -523,15 +443,7 @@ class Supervisor:
                 child.counters.close()
                 child.counters = None
         self.inbox.clear()
-        table = self.node_table.mapped
-        if table is not None:  # other ranks' children go on: give them what ours held
-            # Repair takes the slots of holders that no longer exist: a child still dying could commit or release
-            # slots just repaired (its check of what it holds precedes the lock: NOTE [ Node lock budget ]), so
-            # children the zygote did not reap are left to later housekeeping (theirs, or the other ranks').
-            try:
-                table.repair(wait_s=_REPAIR_WAIT_S)
-            except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
-                log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
+        self.node_table.repair_at_close()
         self.node_table.close()
         self.resume.close()
         self.link.close()

@@ -37,12 +37,14 @@ import numpy as np
 import pytest
 from slot_audit import lock_is_free
 
-from gigashuffle.shm import holders, journal, nodelock, picker, slottable
+from gigashuffle.shm import holders, journal, nodelock, picker, slotmap, slottable
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, SlotTable
 
 SLOTS = 16
 WAIT_S = 30.0
-_TRACED = frozenset({slottable.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__})
+_TRACED = frozenset(
+    {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
+)
 _NO_RAISE_TEXT = ("try:", "finally:", "except", "else:")
 _NO_RAISE_CALLS = ("self._release()", "self._lock.release()", "with self._locked(")
 _CONSTANT_RETURN = re.compile(r"return( (True|False|None|-?\d+))?")

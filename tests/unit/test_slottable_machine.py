@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from slot_audit import TableSnapshot, lock_is_free, snapshot
 
-from gigashuffle.shm import holders, journal, nodelock, picker, slottable
+from gigashuffle.shm import holders, journal, nodelock, picker, slotmap, slottable
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable
 
 SLOTS = 10  # small, so that writers run out of empty slots and draws meet the min_full threshold
@@ -97,10 +97,12 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
-# The transitions run in shm/slottable.py and their journal in journal.py, the lock in shm/nodelock.py and the slot
-# searches in picker.py: kills land on lines of all four (an op runs about as many lines as when they were one
+# The transitions run in shm/slottable.py (their hold of the lock in shm/slotmap.py) and their journal in journal.py,
+# the lock in shm/nodelock.py and the slot searches in picker.py: kills land on lines of all of them (an op runs about as many lines as when they were one
 # module, so KILL_AT keeps its meaning).
-_TRACED = frozenset({slottable.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__})
+_TRACED = frozenset(
+    {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
+)
 # Every actor pid not yet reaped, whichever example forked it: the fixture kills what an aborted example left.
 _UNREAPED: set[int] = set()
 

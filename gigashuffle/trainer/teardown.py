@@ -1,4 +1,26 @@
-"""The loader's teardown: its finalizer, and the hook that runs it for loaders never closed by interpreter exit."""
+"""The loader's teardown: its finalizer, and the hook that runs it for loaders never closed by interpreter exit.
+
+NOTE [ Shutdown ]
+The teardown order, per actor, written once; each step assumes the ones before it are done.
+* Trainer (``loader.close()``, ``__exit__``, or the loader's ``weakref.finalize`` at garbage collection or
+  interpreter exit; all run ``shutdown`` here once):
+  1. the placement waits for copies still reading the reader rings (pinned or on a GPU), then unregisters the
+     rings: a ring must stay mapped while a DMA reads it;
+  2. ``Supervisor.shutdown`` (idempotent): the zygote kills every child and reaps them (``Zygote.close``); the
+     children's attach sockets go; then the slot table is repaired for the children known reaped (other ranks'
+     children go on and need the slots ours held) and only then unmapped: repair needs the table and its lock fd;
+  3. the control link closes last (``ControlLink.close``): leave the node session (the last rank deletes the
+     queue's keys), close the client, release the embedded server (its last user shuts it down).
+  A half-built loader undoes the same steps for what it opened: ``ControlLink.open`` its own, the Supervisor's
+  constructor the zygote.
+* Zygote: when its channel closes (the trainer closed it or died), it SIGKILLs its children, reaps them, removes
+  their attach sockets and exits without interpreter teardown (``procs/zygote.py``).
+* Child: dies with the zygote (PR_SET_PDEATHSIG); a child that exits on its own closes its attach server, its
+  maps and its Redis client (``ChildEnv.close``). It never repairs for itself: a dead child's slots are the next
+  lock holder's to repair (NOTE [ Slot table ] in shm/slottable.py).
+* Embedded server: stopped by the last live user's release; one whose starter died is found dead by the next
+  user and its socket file removed.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +36,7 @@ from gigashuffle.trainer.supervisor import Supervisor
 
 def shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
     """The loader's finalizer (it must not refer to the loader): wait for copies out of the rings, then stop
-    (NOTE [ Shutdown ] in trainer/supervisor.py)."""
+    (NOTE [ Shutdown ])."""
     with critical(deliver=False):  # whether closed, collected or run at exit: NOTE [ Ctrl-C ]
         try:
             placement.close()
