@@ -98,8 +98,8 @@ SETTINGS = settings(
 )
 
 # The transitions run in shm/slottable.py (their hold of the lock in shm/slotmap.py) and their journal in journal.py,
-# the lock in shm/nodelock.py and the slot searches in picker.py: kills land on lines of all of them (an op runs about as many lines as when they were one
-# module, so KILL_AT keeps its meaning).
+# the lock in shm/nodelock.py and the slot searches in picker.py: kills land on lines of all of them (an op runs
+# about as many lines as when they were one module, so KILL_AT keeps its meaning).
 _TRACED = frozenset(
     {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
 )
