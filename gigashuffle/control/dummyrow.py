@@ -138,7 +138,7 @@ def await_row(
     store: ControlPlane, secret: bytes, config: DataloaderConfig, pump: Callable[[], None], timeout_s: float | None
 ) -> tuple[Layout, bytes]:
     """Wait for the dummy row and verify it; ``pump`` runs between polls (the trainer's message pump, which
-    raises a child's death). A row read across a rejoin (NOTE [ Rejoining ] in trainer/supervisor.py) fails its check
+    raises a child's death). A row read across a rejoin (NOTE [ Rejoining ] in trainer/rejoin.py) fails its check
     against the new generation and is read again in the new session."""
     started = time.monotonic()
     next_warning = started + _SLOW_WARNING_S

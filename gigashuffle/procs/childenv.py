@@ -242,7 +242,7 @@ class ChildEnv:
         if self.server is not None and self.buffer is not None:
             self.server.set_info(attach_info(self.scope, self.buffer.nbytes, self.meta_fields))
 
-    # -- a new session (NOTE [ Rejoining ] in trainer/supervisor.py) ---------------------------------------------------
+    # -- a new session (NOTE [ Rejoining ] in trainer/rejoin.py) ---------------------------------------------------
     def rejoin(self, generation: str) -> None:
         """Quote ``generation`` from now on; register again and publish the buffer and the dummy row under it."""
         log.info("%s rejoins queue %r under session %s", self.proc, self.config.queue_name, generation)

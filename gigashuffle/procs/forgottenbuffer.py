@@ -4,7 +4,7 @@ NOTE [ A buffer Redis forgot ]
 Redis lists the node buffer (its signed metadata, and the attach sockets of the processes that serve it). A Redis
 that restarted empty, was flushed, or came back from an older snapshot lists nothing, while the buffer lives on
 in the memory of the processes that map it. The trainers that mapped its slot table publish the metadata again
-when they rejoin (NOTE [ Rejoining ] in trainer/supervisor.py), but a writer may start before any of them has: one of a
+when they rejoin (NOTE [ Rejoining ] in trainer/rejoin.py), but a writer may start before any of them has: one of a
 rank whose children were all still starting, or of a rank started while the others' trainers have not noticed
 yet. Finding no metadata, it would allocate a second buffer, and the node's ranks would then read from two.
 

@@ -34,7 +34,7 @@ class BatchReady:
 @dataclass(frozen=True)
 class Attached:
     """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
-    (NOTE [ Rejoining ] in ``trainer/supervisor.py``). A writer of a stateful dataset sends the memfd of its
+    (NOTE [ Rejoining ] in ``trainer/rejoin.py``). A writer of a stateful dataset sends the memfd of its
     commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``)."""
 
 

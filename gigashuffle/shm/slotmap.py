@@ -45,7 +45,8 @@ _MAGIC = 0x67735F736C6F7436  # "gs_slot6"
 @dataclass(frozen=True)
 class LockUsage:
     """How much a node's slot-table lock has been held since its buffer was created: compare two readings over a
-    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ])."""
+    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ] in
+    shm/slottable.py)."""
 
     held_s: float
     holds: int
@@ -117,7 +118,7 @@ class SlotMap:
     # context manager costs a few microseconds per use, several times per batch.
     def _acquire(self, wait_s: float | None = None) -> None:
         """Take the node lock, rolling forward an op its last holder died in; with ``wait_s``, raise NodeLockBusy
-        if the lock stays held that long (see NOTE [ A stopped lock holder ])."""
+        if the lock stays held that long (see NOTE [ A stopped lock holder ] in shm/slottable.py)."""
         self._lock.acquire(wait_s)
         try:
             self._held_since_ns = time.perf_counter_ns()
@@ -153,8 +154,8 @@ class SlotMap:
 
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
         """Rows written and read, and the slot counts, read from the header without the lock, so this never waits
-        (the heartbeat and the fill progress call it; see NOTE [ A stopped lock holder ]). Each figure is one
-        aligned word that was true at some moment; together they may straddle one transition."""
+        (the heartbeat and the fill progress call it; NOTE [ A stopped lock holder ] in shm/slottable.py). Each
+        figure is one aligned word that was true at some moment; together they may straddle one transition."""
         header = self._header
         written, read, full, empty = (int(header[i]) for i in (H_WRITTEN, H_READ, H_FULL, H_EMPTY))
         return written, read, ShuffleBufferStats(full, empty, self.slots - full - empty)

@@ -4,7 +4,7 @@ The trainer never reads rows from the buffer (batches come through the reader ri
 table: it returns a dead child's slots (``repair``), answers ``stats()`` and ``evict()``, and hands the heartbeat
 the counts that ``gigashuffle stats`` shows. Mapping the table is also the moment the trainer reads and verifies
 the buffer's metadata, and keeps it: it is what the trainer publishes again when Redis forgot the session
-(NOTE [ Rejoining ] in trainer/supervisor.py).
+(NOTE [ Rejoining ] in trainer/rejoin.py).
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ class TableView:
         self._table: SlotTable | None = None
         self._buffer: SlotBuffer | None = None  # mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ])
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned
-
-    @property
-    def mapped(self) -> SlotTable | None:
-        """The table if it is mapped already; never tries to map it."""
-        return self._table
 
     def get(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""

@@ -8,31 +8,8 @@ the trainer waits for a batch. A child that raised sends a ``ChildError`` (type 
 the trainer raises that text in a ``WorkerDied``. A dead child's slots are repaired in the slot table at once
 (when the trainer has mapped it; else the other children's once-a-second repair finds the dead pid), and with
 ``max_restarts`` left it is spawned again.
-When the session itself is lost, the trainer rejoins (NOTE [ Rejoining ]). ``shutdown()`` is idempotent and is
-also the loader's ``weakref.finalize`` callback, so it must not refer to the loader object.
-
-NOTE [ Rejoining ]
-Redis may forget or contradict the node session: restarted without persistence, flushed, restored from an older
-snapshot, failed over to a replica. The heartbeat notices (a claim that is gone within one beat, a changed
-generation or ``run_id`` within ``VERIFY_EVERY`` beats: NOTE [ Heartbeat ]), and so does a child whose
-generation-checked call is refused. None of that touches the rows:
-the buffer and its slot table live in the children's shared memory. So the trainer
-  1. joins again: the first rank of the node back starts a new generation, the others join it;
-  2. publishes the buffer's metadata again under it, from the verified copy it kept when it mapped the slot
-     table (first publication wins; every rank's copy describes the same buffer). It does this before any child
-     starts under the new generation, so a new writer attaches to the node's buffer instead of making another;
-  3. sends ``Rejoin(generation)`` to every child that has the buffer mapped (``Attached``/``RingReady`` seen):
-     it registers again (its attach socket) and quotes the new generation; the dummy writer publishes its row
-     again. Such a child never stopped moving rows: no child calls Redis in the steady state;
-  4. kills, through the zygote, every child still starting (it holds no slots and would quote the old
-     generation) and starts it again. A child that died of a refused generation is started again too. Neither
-     counts against ``max_restarts``: nothing failed.
-No row is lost, delivered twice or torn, since the slot table never left shared memory. A rank whose trainer
-never mapped the slot table (no child of it had attached yet) cannot republish the metadata, and a new writer may
-start before the ranks that can have: finding no metadata, it looks for the node's buffer in the runtime
-directory and publishes that one again (NOTE [ A buffer Redis forgot ] in procs/forgottenbuffer.py), so a node keeps one
-buffer.
-Only a Redis that stays unreachable past ``redis_timeout_s`` fails the loader (``QueueStateLostError``).
+When the session itself is lost, the trainer rejoins (NOTE [ Rejoining ] in trainer/rejoin.py). ``shutdown()`` is
+idempotent and runs from the loader's ``weakref.finalize`` callback, so it must not refer to the loader object.
 """
 
 from __future__ import annotations
@@ -62,7 +39,6 @@ from gigashuffle.procs.messages import (
     Pause,
     Paused,
     Progress,
-    Rejoin,
     RingReady,
     Role,
     SetContext,
@@ -77,6 +53,7 @@ from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.slottable import SlotTable
+from gigashuffle.trainer import rejoin
 from gigashuffle.trainer.childspecs import ChildSpecs
 from gigashuffle.trainer.inbox import Inbox
 from gigashuffle.trainer.nodetable import TableView
@@ -291,41 +268,11 @@ class Supervisor:
         self.table()  # map it now: its verified metadata is what a rejoin publishes again
 
     def _rejoin(self, reason: BaseException) -> None:
-        """Carry on under a new session with the same buffer and children (NOTE [ Rejoining ])."""
-        if isinstance(reason, QueueStateLostError):
-            log.warning(
-                "queue %r: %s; rejoining with the buffer and processes as they are",
-                self.config.queue_name, str(reason).splitlines()[0],
-            )  # fmt: skip
-            try:
-                self.session.rejoin()
-                self.node_table.republish()
-            except GigashuffleError as exc:
-                reason = exc
-            else:
-                self._resume_children()
-                return
-        self.failure = QueueStateLostError(
-            f"queue {self.config.queue_name!r}: {reason}. Redis stayed unreachable past redis_timeout_s="
-            f"{self.config.redis_timeout_s}, so the node session could not be joined again; recreate the loader."
-        )
-
-    def _resume_children(self) -> None:
-        generation = self.session.generation
-        self._learn_pids()
-        for child in list(self.children):
-            if child.alive and child.attached:
-                child.generation = generation
-                try:
-                    child.channel.send(Rejoin(generation))
-                except OSError as exc:
-                    log.debug("%s %d did not take Rejoin: %s", child.role, child.index, exc)
-            elif child.alive and not child.superseded:
-                child.superseded = True
-                self.zygote.kill(child.seq)
-            elif not child.alive and child.superseded:
-                child.superseded = False  # died under the old session, before we rejoined: start it now
-                self.children.append(self._spawn(child.role, child.index, child.restarts))
+        """Carry on under a new session with the same buffer and children (NOTE [ Rejoining ] in trainer/rejoin.py)."""
+        self.failure = rejoin.join_again(self.config, self.session, self.node_table, reason)
+        if self.failure is None:
+            self._learn_pids()
+            rejoin.resume_children(self.children, self.session.generation, self.zygote, self._spawn)
 
     def _learn_pids(self) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Ctrl-C in a training script (NOTE [ Ctrl-C ] in procs/interrupts.py, NOTE [ Loaders at exit ] in loader.py).
+"""Ctrl-C in a training script (NOTE [ Ctrl-C ] in procs/interrupts.py, [ Loaders at exit ] in trainer/teardown.py).
 
 Real interpreters run tests/chaos/ctrl_c_script.py: a SIGINT storm against a trainer that catches
 ``KeyboardInterrupt`` and goes on, a script that exits without ``close()``, and one interrupted without ``with``

@@ -4,7 +4,7 @@ lagging replica, unreachable at start, and paused (SIGSTOP) for ~3 s.
 A restart, a restore or a flush loses or contradicts the node session, never the rows: the buffer and its slot
 table live in shared memory. The loader must notice, rejoin under a new generation with the same processes
 (every child registered again, the metadata published again) and carry on: no row lost, doubled or torn, and
-that whatever ``max_restarts`` allows, since nothing restarts (NOTE [ Rejoining ] in trainer/supervisor.py). Never a
+that whatever ``max_restarts`` allows, since nothing restarts (NOTE [ Rejoining ] in trainer/rejoin.py). Never a
 hang. Unreachable at start must be a clear ``RedisUnavailableError`` within ``redis_timeout_s``. A pause shorter
 than the socket timeout must be ridden out.
 """
