@@ -135,6 +135,7 @@ class Supervisor:
         """The live writers that have not written their share of the node's first mix (NOTE [ First mix ])."""
         return sorted(c.index for c in self.writers() if c.index not in self._mix_shares)
 
+    # -- spawning (what each child is given: trainer/childspecs.py) ----------------------------------------
     def _spawn(self, role: Role, index: int, restarts: int) -> ChildProcess:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
