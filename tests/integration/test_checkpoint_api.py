@@ -120,14 +120,14 @@ def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_
     cut ]): the resumed loader reads every id of the pass once, counting what was read before the checkpoint."""
     ids = 400
     cfg = _config(redis_url, "midchunk", bs=4, shuffle_size=64)
-    with MultiprocessShuffledDataloader(FiniteIds(ids, 24), cfg) as loader:
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 200), cfg) as loader:
         it = iter(loader)
         before = [int(i) for b in take(it, 5) for i in b[0]["id"]]
         wait_for(lambda: loader.stats().empty == 0, "the buffer to fill up while nobody reads")
         state = loader.state_dict()
     assert state["rank0"]["skip"][0] > 0, "the writer was inside a chunk: its state is from before it"
     with MultiprocessShuffledDataloader(
-        FiniteIds(ids, 24), _config(redis_url, "midchunk2", bs=4, shuffle_size=64)
+        FiniteIds(ids, 200), _config(redis_url, "midchunk2", bs=4, shuffle_size=64)
     ) as again:
         again.load_state_dict(state)
         it = iter(again)
