@@ -1,15 +1,15 @@
 """The slot table: what each row of the node buffer holds, in shared memory beside the rows.
 
 NOTE [ Slot table ]
-One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
-(uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
-holds it), ``writer`` (int32 pid of the writer that last wrote it, stamped with the version, read by a reader
-after its draw to count the distinct writers of a batch for ``loader.metrics()``) and ``version`` (int64, a fresh
-value for every write, so an INDEX_KEY entry names one write of a slot: the acquire that reserves a slot allots
-it, and the writer stamps it on the slot before the commit makes it full). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
-(``flock`` on the memfd, which the kernel drops when its holder dies; see shm/nodelock.py). The lock is held for tens
-of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
-node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
+One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state`` (uint8:
+empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that holds it),
+``writer`` (int32 pid of the writer that last wrote it, stamped with the version, read by a reader after its draw to
+count the distinct writers of a batch for ``loader.metrics()``) and ``version`` (int64, a fresh value for every
+write, so an INDEX_KEY entry names one write of a slot: the acquire that reserves a slot allots it, and the writer
+stamps it on the slot before the commit makes it full). Every transition is a few vectorized numpy statements on an
+array of slot ids, under one node lock (``flock`` on the memfd, which the kernel drops when its holder dies; see
+shm/nodelock.py). The lock is held for tens of microseconds and never across a row copy; the node's transitions are
+serial, so their total is what bounds a node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
 Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
 [ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock. Who holds slots is
