@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from gigashuffle import promtext
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.shm import counters as cc
 from gigashuffle.shm.slottable import SlotTable
@@ -245,17 +246,9 @@ _HELP = {
 }
 
 
-def _value(x: float) -> str:
-    return "NaN" if math.isnan(x) else repr(float(x))
-
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def render_prometheus(m: LoaderMetrics, prefix: str) -> str:
-    base = f'queue="{_label(m.queue)}",rank="{m.rank}"'
-    plain = {
+    base = {"queue": m.queue, "rank": m.rank}
+    plain: dict[str, float] = {
         "batches_total": m.batches,
         "wait_seconds_total": m.wait_s,
         "wait_share": m.wait_share,
@@ -275,18 +268,14 @@ def render_prometheus(m: LoaderMetrics, prefix: str) -> str:
     if m.h2d_per_batch_s is not None:  # no device: no such series, rather than a NaN that reads as "unknown"
         plain["h2d_per_batch_seconds"] = m.h2d_per_batch_s
     lines: list[str] = []
-    for name, value in plain.items():
-        kind, text = _HELP[name]
-        lines += [f"# HELP {prefix}_{name} {text}", f"# TYPE {prefix}_{name} {kind}"]
-        lines.append(f"{prefix}_{name}{{{base}}} {_value(float(value))}")
+    for name, x in plain.items():
+        lines += promtext.family(f"{prefix}_{name}", *_HELP[name], [(base, x)])
     per_writer = {
         "writer_rows_per_second": "rows_per_s",
         "writer_in_dataset_share": "in_dataset",
         "writer_blocked_share": "blocked",
     }
     for name, attribute in per_writer.items():
-        kind, text = _HELP[name]
-        lines += [f"# HELP {prefix}_{name} {text}", f"# TYPE {prefix}_{name} {kind}"]
-        for w in m.writers:
-            lines.append(f'{prefix}_{name}{{{base},writer="{w.index}"}} {_value(getattr(w, attribute))}')
+        samples = [({**base, "writer": w.index}, getattr(w, attribute)) for w in m.writers]
+        lines += promtext.family(f"{prefix}_{name}", *_HELP[name], samples)
     return "\n".join(lines) + "\n"

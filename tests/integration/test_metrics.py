@@ -17,6 +17,7 @@ from datasets import DEADLINE_S, SlowUniqueIds, UniqueIds, poll, take, wait_for
 
 from gigashuffle import DataloaderConfig, GigashuffleError, MultiprocessShuffledDataloader
 from gigashuffle.host.pids import is_stopped
+from gigashuffle.promtext import SAMPLE_LINE
 
 
 def _config(redis_url: str, **overrides: Any) -> DataloaderConfig:
@@ -130,6 +131,7 @@ def test_prometheus_text(redis_url: str) -> None:
                    for line in lines)  # fmt: skip
     for line in lines:
         if not line.startswith("#"):
+            assert SAMPLE_LINE.match(line), line  # the line format a scraper parses
             float(line.rsplit(" ", 1)[1])  # every sample is a number (NaN included)
 
 
