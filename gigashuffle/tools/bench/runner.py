@@ -38,7 +38,8 @@ from gigashuffle.tools.bench.ranks import (
 )
 from gigashuffle.tools.bench.report import Result, format_table, ratio
 from gigashuffle.tools.bench.shapedfloor import Shape, shaped_floor
-from gigashuffle.tools.bench.stamps import ChunkStamps, Stream, measure_quality, read_stream
+from gigashuffle.tools.bench.stamps import ChunkStamps
+from gigashuffle.tools.bench.streams import Stream, measure_quality, read_stream
 from gigashuffle.tools.bench.workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 if TYPE_CHECKING:
