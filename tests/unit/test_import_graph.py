@@ -48,10 +48,10 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     circles = []
-    for root in graph:
+    for root, edges_of_root in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(edges_of_root)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)
