@@ -27,7 +27,7 @@ from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer import datasetstate, pinning
 from gigashuffle.trainer.batches import Batches
-from gigashuffle.trainer.metrics import LoaderMetrics, MetricsReader
+from gigashuffle.trainer.metrics import METRICS_MAX_AGE_S, LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.teardown import at_exit, shutdown
 
@@ -123,13 +123,19 @@ class MultiprocessShuffledDataloader:
             )
         return self._batches.shape(self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs)))
 
-    def metrics(self) -> LoaderMetrics:
+    def metrics(self, max_age_s: float = METRICS_MAX_AGE_S) -> LoaderMetrics:
         """This rank's loader figures, read without the node lock or Redis: totals since it was built, rates and
-        shares since the previous call (NOTE [ Metrics ] in trainer/metrics.py; docs/waiting-on-data.md reads
-        them). ``.to_prometheus()`` renders them in the Prometheus text format."""
+        shares since the previous reading (NOTE [ Metrics ] in trainer/metrics.py; docs/waiting-on-data.md reads
+        them). A reading less than ``max_age_s`` old is returned as it is (cheap enough to call every batch); 0
+        reads afresh. ``.to_prometheus()`` renders them in the Prometheus text format."""
         self._check_open()
-        sup = self._sup
-        return self._metrics.read(sup.children, sup.table(), sup.restarts)
+        if (last := self._metrics.fresh(max_age_s)) is not None:
+            return last
+        if not max_age_s >= 0:
+            raise ValueError(f"metrics(max_age_s={max_age_s!r}) is invalid: give seconds >= 0 (0 reads afresh)")
+        sup, placement = self._sup, self._placement
+        h2d = (placement.h2d_s, placement.h2d_copies) if placement.moves else None
+        return self._metrics.read(sup.children, sup.table(), sup.restarts, h2d)
 
     def stats(self) -> ShuffleBufferStats:
         """Slot counts of the node buffer (all zero until the first chunk has sized it)."""

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,16 @@ from gigashuffle.procs.messages import (
     ToChild,
 )
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
-from gigashuffle.shm.counters import R_AGE_N, R_AGE_SUM, R_BATCHES, R_GATHER_S, R_STARVED_S, ChildCounters
+from gigashuffle.shm.counters import (
+    R_AGE_N,
+    R_AGE_SUM,
+    R_BATCHES,
+    R_GATHER_S,
+    R_STARVED_S,
+    R_WRITERS_N,
+    R_WRITERS_SUM,
+    ChildCounters,
+)
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 log = logging.getLogger(__name__)
@@ -179,6 +189,7 @@ def _announce(
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     cells[R_GATHER_S] += time.monotonic() - gather_since
     cells[R_BATCHES] += len(ring_slots)
+    _count_writers(table, slots[:bs], cells)
     following: tuple[SlotIds, Versions] | None = None
     if want > 0:
         released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
@@ -190,6 +201,16 @@ def _announce(
         raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
     env.channel.send(BatchReady(tuple(ring_slots)))
     return following
+
+
+def _count_writers(table: SlotTable, batch: SlotIds, cells: np.ndarray[Any, np.dtype[np.float64]]) -> None:
+    """The distinct writers of one batch per draw (its first: the draw is uniform, so it is a fair sample) for
+    ``loader.metrics()``; read before the release, while no writer can take these slots (about 2 us)."""
+    if len(batch):
+        writers = table.writer.take(batch)
+        writers.sort()
+        cells[R_WRITERS_SUM] += 1 + int(np.count_nonzero(writers[1:] != writers[:-1]))
+        cells[R_WRITERS_N] += 1
 
 
 def _pausing(messages: list[ToChild]) -> bool:

@@ -35,6 +35,8 @@ R_FILL_MIN = 6  # least full-slot count seen since the trainer last set R_FILL_R
 R_FILL_RESET = 7  # the trainer sets it to 1 after reading R_FILL_MIN; the reader's next sample starts afresh
 R_AGE_SUM = 8  # sum over drawn rows of (version clock at draw - the row's version): rows written since
 R_AGE_N = 9
+R_WRITERS_SUM = 10  # sum over sampled batches of the distinct writers (pids) of their rows
+R_WRITERS_N = 11  # batches sampled (the first of each draw)
 
 CELLS = 16
 NBYTES = CELLS * 8

@@ -62,7 +62,7 @@ class ShuffleBufferStats:
 
 
 def table_nbytes(slots: int) -> int:
-    return HEADER_BYTES + REGISTRY_BYTES + slots * (8 + 4 + 4 + 1) + 64
+    return HEADER_BYTES + REGISTRY_BYTES + slots * (8 + 4 + 4 + 4 + 1) + 64
 
 
 class SlotMap:
@@ -85,6 +85,8 @@ class SlotMap:
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
         journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
         offset += 8 * slots
+        self.writer = raw[offset : offset + 4 * slots].view(np.int32)
+        offset += 4 * slots
         self.state = raw[offset : offset + slots]
         self._journal = Journal(self._header, journal_ids, self.state, self.holder)
         if memory is None:
@@ -166,7 +168,7 @@ class SlotMap:
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
         self._header = self.version = np.empty(0, dtype=np.int64)
-        self.holder = np.empty(0, dtype=np.int32)
+        self.holder = self.writer = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
         self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)
         self._holders = HolderRegistry(np.empty((0, 2), dtype=np.int64))

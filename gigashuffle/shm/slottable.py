@@ -1,14 +1,15 @@
 """The slot table: what each row of the node buffer holds, in shared memory beside the rows.
 
 NOTE [ Slot table ]
-One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state``
-(uint8: empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that
-holds it) and ``version`` (int64, a fresh value for every write, so an INDEX_KEY entry names one write of a slot:
-the acquire that reserves a slot allots it, and the writer stamps it on the slot before the commit makes it
-full). Every transition is a few vectorized numpy statements on an array of slot ids, under one node lock
-(``flock`` on the memfd, which the kernel drops when its holder dies; see shm/nodelock.py). The lock is held for tens
-of microseconds and never across a row copy; the node's transitions are serial, so their total is what bounds a
-node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
+One anonymous memfd per node buffer, created with it and handed out with it at attach. Per slot: ``state`` (uint8:
+empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the writer or reader that holds it),
+``writer`` (int32 pid of the writer that last wrote it, stamped with the version, read by a reader after its draw to
+count the distinct writers of a batch for ``loader.metrics()``) and ``version`` (int64, a fresh value for every
+write, so an INDEX_KEY entry names one write of a slot: the acquire that reserves a slot allots it, and the writer
+stamps it on the slot before the commit makes it full). Every transition is a few vectorized numpy statements on an
+array of slot ids, under one node lock (``flock`` on the memfd, which the kernel drops when its holder dies; see
+shm/nodelock.py). The lock is held for tens of microseconds and never across a row copy; the node's transitions are
+serial, so their total is what bounds a node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
 
 Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
 [ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock. Who holds slots is
@@ -126,7 +127,7 @@ class SlotTable(SlotMap):
             clock = int(self._header[H_CLOCK])
         finally:
             self._release()
-        self._stamp_versions(ids, clock)
+        self._stamp_versions(pid, ids, clock)
         return ids
 
     def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
@@ -159,16 +160,18 @@ class SlotTable(SlotMap):
             clock = int(self._header[H_CLOCK])
         finally:
             self._release()
-        self._stamp_versions(fresh, clock)
+        self._stamp_versions(pid, fresh, clock)
         return len(mine), fresh
 
-    def _stamp_versions(self, ids: SlotIds, clock: int) -> None:
+    def _stamp_versions(self, pid: int, ids: SlotIds, clock: int) -> None:
         # The acquire moved the version clock to ``clock`` past len(ids) values of its own (journaled); the writer
         # stamps them on its reserved slots after releasing the lock (NOTE [ Node lock budget ]). Nobody reads the
         # version of a writing slot, and the commit that makes them full comes later from this same process. A
         # writer killed before or while stamping leaves writing slots that repair empties: no row has them.
+        # Its pid goes with them, for the readers' count of writers per batch (a figure only: nothing depends on it).
         if len(ids):
             self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
+            self.writer.put(ids, pid)
 
     def _commit_written(self, pid: int, mine: SlotIds) -> None:
         self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine))

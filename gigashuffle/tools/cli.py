@@ -17,7 +17,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gigashuffle._version import __version__
-from gigashuffle.tools.stats import Sample, needs_second_record, sample, short_generation, with_rates
+from gigashuffle.tools.stats import (
+    Sample,
+    needs_second_record,
+    prometheus_text,
+    sample,
+    short_generation,
+    with_rates,
+)
 
 if TYPE_CHECKING:
     from gigashuffle.control.client import Client
@@ -149,7 +156,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _show(rows: list[dict[str, Any]], urls: list[str], args: argparse.Namespace, out: TextIO, frame: int) -> None:
-    if args.json:
+    if args.prometheus:
+        if args.watch is not None and frame:
+            out.write("\n")  # one exposition per refresh, a blank line between them
+        out.write(prometheus_text(rows))
+    elif args.json:
         # One document per refresh; under --watch one compact line each (JSON Lines), so a pipe can parse it.
         out.write(json.dumps(rows, separators=(",", ":")) + "\n" if args.watch else json.dumps(rows, indent=2) + "\n")
     else:
@@ -174,7 +185,14 @@ def stats_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="the server to list (default: $GIGASHUFFLE_REDIS_URL, else every node's embedded server on this machine)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (under --watch: one line per refresh)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="print JSON (under --watch: one line per refresh)")
+    shape.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="print the Prometheus text format (gigashuffle_node_rows_per_second{server,queue,node} etc.; the "
+        "per-rank figures are each trainer's loader.metrics().to_prometheus())",
+    )
     parser.add_argument(
         "--interval",
         type=float,
@@ -283,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats_command = commands.add_parser(
         "stats",
-        help="list every queue and node: slot counts, ranks, processes, rows/s (--watch, --json)",
+        help="list every queue and node: slot counts, ranks, processes, rows/s (--watch, --json, --prometheus)",
         description="List every gigashuffle queue and node on this machine's embedded servers or on --redis URL.",
     )
     stats_parser(stats_command).set_defaults(parser=stats_command)

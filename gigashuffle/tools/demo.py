@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import numpy as np
@@ -13,8 +13,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.loader import MultiprocessShuffledDataloader
-from gigashuffle.tools.bench.quality import measure
-from gigashuffle.tools.bench.workloads import WRITER_SHIFT
+from gigashuffle.tools.quality import measure
+from gigashuffle.tools.rowids import ID_FIELD, WRITER_SHIFT
 
 
 class SyntheticImages(IterableDataset[list[dict[str, torch.Tensor]]]):
@@ -39,7 +39,7 @@ class SyntheticImages(IterableDataset[list[dict[str, torch.Tensor]]]):
             # When the chunk was made (CLOCK_MONOTONIC, one clock for every process of the machine): with it the
             # quality figure knows the order the two writers' rows entered the buffer, not just each writer's own.
             stamp = torch.full((self.chunk_rows,), time.monotonic_ns(), dtype=torch.int64)
-            yield [{"image": pixels, "label": ids % 1000, "id": ids, "written_ns": stamp}]
+            yield [{"image": pixels, "label": ids % 1000, ID_FIELD: ids, "written_ns": stamp}]
 
 
 def _progress(loader: MultiprocessShuffledDataloader, target: int, out: TextIO) -> None:
@@ -79,7 +79,7 @@ def run(seconds: float, queue: str, out: Any = sys.stdout) -> dict[str, float]:
         row_bytes = sum(t[0].numel() * t.element_size() for t in dummy[0].values())
         start = time.perf_counter()
         for batch in loader:
-            batches.append(batch[0]["id"].numpy().copy())
+            batches.append(batch[0][ID_FIELD].numpy().copy())
             stamps.append(batch[0]["written_ns"].numpy().copy())
             if time.perf_counter() - start >= seconds:
                 break
@@ -109,11 +109,3 @@ def run(seconds: float, queue: str, out: Any = sys.stdout) -> dict[str, float]:
         file=out,
     )
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from gigashuffle.tools.cli import demo_parser
-
-    args = demo_parser().parse_args(argv)
-    run(args.seconds, args.queue or f"demo-{int(time.time())}")
-    return 0

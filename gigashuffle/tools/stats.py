@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gigashuffle import promtext
+
 if TYPE_CHECKING:
     from gigashuffle.control.client import Client
     from gigashuffle.control.plane import ControlPlane
@@ -154,3 +156,29 @@ def queue_rows(client: Client, interval_s: float = 1.0, server: str = "") -> lis
         time.sleep(0.1)
         samples = sample(client, server)
     return with_rates(samples, [])
+
+
+# ``--prometheus``: the figures a server knows, per queue and node, named as ``LoaderMetrics.to_prometheus()`` names
+# the same ones (the per-rank figures live in each trainer: its ``loader.metrics()``). Unknown rates (no two
+# counter records yet) have no sample.
+_PROMETHEUS = (
+    ("buffer_slots", "size", 1, "gauge", "slots of the node buffer (shuffle_size)"),
+    ("buffer_full_slots", "full", 1, "gauge", "full slots, as a trainer's heartbeat last recorded them"),
+    ("buffer_empty_slots", "empty", 1, "gauge", "empty slots, as a trainer's heartbeat last recorded them"),
+    ("buffer_in_flight_slots", "in_flight", 1, "gauge", "slots being written or read"),
+    ("ranks", "ranks", 1, "gauge", "ranks that claim the queue on this node"),
+    ("processes", "processes", 1, "gauge", "writers and readers holding slots on this node"),
+    ("node_rows_per_second", "written_per_s", 1, "gauge", "rows written into the node's buffer per second"),
+    ("node_read_rows_per_second", "read_per_s", 1, "gauge", "rows read out of the node's buffer per second"),
+    ("lock_busy_share", "lock_busy_pct", 0.01, "gauge", "share of the time the node's slot-table lock was held"),
+)
+
+
+def prometheus_text(rows: list[dict[str, Any]], prefix: str = "gigashuffle") -> str:
+    """``rows`` (of :func:`with_rates`) in the Prometheus text format, labelled by server, queue and node."""
+    lines: list[str] = []
+    for name, column, scale, kind, help_text in _PROMETHEUS:
+        labelled = [({"server": r["server"], "queue": r["queue"], "node": r["node"]}, r[column]) for r in rows]
+        samples = [(labels, x * scale) for labels, x in labelled if x is not None]
+        lines += promtext.family(f"{prefix}_{name}", kind, help_text, samples)
+    return "\n".join(lines) + "\n"

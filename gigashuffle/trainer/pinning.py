@@ -39,6 +39,7 @@ Rings of readers that died and were respawned stay registered until close (at mo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -61,6 +62,10 @@ class Placement:
 
     tracks = False  # whether ring slots are released through a ReleaseQueue
     moves = False  # whether batches are copied to a device (the caller then never holds ring memory)
+    # With ``moves``: seconds of the trainer's thread spent making device copies (guard, enqueue, event), and their
+    # count, for loader.metrics(). The DMA itself overlaps the compute already queued and is not waited for here.
+    h2d_s = 0.0
+    h2d_copies = 0
 
     @property
     def pending(self) -> int:
@@ -132,6 +137,7 @@ class CudaPlacement(Placement):
         if not self.moves:
             return ring.batch(k, ticket.dropped)
         base = k * ring.slot_bytes
+        started = time.perf_counter()
         with self.cuda.guard(self.index):
             copy_stream = self._stream()
             compute = self.cuda.current_stream(self.index)
@@ -144,7 +150,10 @@ class CudaPlacement(Placement):
         ticket.event = event
         index = ring.memory.view(base + ring.index_offset, ring.bs * 8).view(torch.int64).clone()
         ticket.dropped()  # the caller never holds ring memory: pending now, released once the event completes
-        return _views(ring, block, index)
+        batch = _views(ring, block, index)
+        self.h2d_s += time.perf_counter() - started
+        self.h2d_copies += 1
+        return batch
 
     def _stream(self) -> object:
         if self._copy_stream is None:

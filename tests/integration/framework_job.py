@@ -1,16 +1,17 @@
 """The per-rank script of the framework tests (``test_integrations.py``), run by ``torch.distributed.run``.
 
 ``--phase save``: train a tiny model on the loader through ``--framework`` (lightning, transformers, accelerate
-or dcp), checkpoint at step ``SAVE_AT`` through the framework, then every rank SIGKILLs itself at the next step
-(after a barrier, so the checkpoint is complete): a kill, not an exit.
+or dcp), checkpoint at step ``SAVE_AT`` through the framework, then every rank writes ``--dir/save-<rank>.json``
+(the rows its model trained on in steps 1..SAVE_AT) and SIGKILLs itself at the next step (after a barrier, so
+the checkpoint is complete): a kill, not an exit. Rows delivered after the checkpoint (a framework that fetches
+a batch ahead, the step the kill ends) are lost with the job and must come back after the resume.
 ``--phase resume``: a new job (another queue) resumes from that checkpoint through the framework and trains
-``RESUME_STEPS`` more steps; each rank writes ``--dir/result-<rank>.json`` with, per writer whose rows it saw,
-the dataset position the writer was restored to (``resumed``; -1 for rows written before the restore) and, where
-the framework's file can be read here, the positions the checkpoint holds for every writer of the job. The ranks
-of a node share its buffer, so a rank sees rows of every writer of the node.
+``RESUME_STEPS`` more steps; each rank writes ``--dir/resume-<rank>.json``, every row its model trained on.
 
-The dataset checks in ``load_state_dict`` that a writer gets its own state (``wid``): another rank's part fails
-the job. Rows: ``x`` float[4], ``labels`` float, ``wid`` (the writer's job-wide id), ``resumed``.
+The dataset is finite per pass: ``IDS`` unique ids per writer (``id = wid * STRIDE + i``, ``wid`` the writer's
+job-wide id), then a new pass of the same ids. ``state_dict`` is its (pass, position) and ``wid``:
+``load_state_dict`` checks that a writer gets its own state (another rank's part fails the job). Rows: ``x``
+float[4], ``labels`` float, ``rid`` (the id), ``rpass`` (the pass).
 """
 
 from __future__ import annotations
@@ -29,79 +30,87 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
-SAVE_AT = 4
-RESUME_STEPS = 24
+SAVE_AT = 2
+# Steps after the resume: the rest of a rank's pass 0 (2 * IDS - SAVE_AT * BS = 32 rows, 4 steps) and then enough
+# draws that no row of pass 0 is left in the buffer: a step draws BS = 8 of its SHUFFLE = 32 slots, so a row stays
+# undrawn for 56 steps with a chance of 0.75**56 = 1e-7.
+RESUME_STEPS = 64
 NUM_WRITERS = 2
+IDS = 24  # per writer and pass: 4 writers, 96 ids; a rank's 48 are 6 steps
+STRIDE = 10**6
+CHUNK = 4
+BS = 8
+SHUFFLE = 32
 
 
-class Tagged(IterableDataset):  # type: ignore[type-arg]
+class FiniteIds(IterableDataset):  # type: ignore[type-arg]
     def __init__(self) -> None:
-        self.pos = 0
-        self.resumed = -1
+        self.passes, self.pos = 0, 0
 
     def state_dict(self) -> dict[str, int]:
         info = get_worker_info()
-        return {"wid": info.id if info else -1, "pos": self.pos}
+        return {"wid": info.id if info else -1, "pass": self.passes, "pos": self.pos}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         info = get_worker_info()
         wid = info.id if info else -1
         if state["wid"] != wid:
             raise ValueError(f"writer {wid} was given the state of writer {state['wid']}")
-        self.pos = self.resumed = int(state["pos"])
+        self.passes, self.pos = int(state["pass"]), int(state["pos"])
 
     def __iter__(self) -> Any:
         info = get_worker_info()
         wid = info.id if info else -1
-        while True:
-            ids = torch.arange(self.pos, self.pos + 4, dtype=torch.float32)
-            self.pos += 4
+        while self.pos < IDS:
+            start, self.pos = self.pos, min(self.pos + CHUNK, IDS)
+            ids = torch.arange(start, self.pos, dtype=torch.int64) + wid * STRIDE
             yield [{
-                "x": ids.unsqueeze(1).repeat(1, 4) / 1000,
-                "labels": ids / 1000,
-                "wid": torch.full((4,), wid, dtype=torch.int64),
-                "resumed": torch.full((4,), self.resumed, dtype=torch.int64),
+                "x": ids.float().unsqueeze(1).repeat(1, 4) / 1e7,
+                "labels": ids.float() / 1e7,
+                "rid": ids,
+                "rpass": torch.full_like(ids, self.passes),
             }]  # fmt: skip
+        self.passes, self.pos = self.passes + 1, 0
 
 
 class TinyModel(torch.nn.Module):
-    """``model(**batch)`` as the HF Trainer calls it; records the (wid, resumed) tags of the rows it saw."""
+    """``model(**batch)`` as the HF Trainer calls it; records the (id, pass) of the rows of each step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 1)
-        self.seen: set[tuple[int, int]] = set()
+        self.steps: list[list[tuple[int, int]]] = []
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, wid: torch.Tensor, resumed: torch.Tensor) -> Any:
-        self.seen.update(zip(wid.tolist(), resumed.tolist(), strict=True))
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, rid: torch.Tensor, rpass: torch.Tensor) -> Any:
+        self.steps.append(list(zip(rid.tolist(), rpass.tolist(), strict=True)))
         loss = torch.nn.functional.mse_loss(self.linear(x).squeeze(1), labels)
         return {"loss": loss}
 
 
 def make_loader(args: argparse.Namespace) -> MultiprocessShuffledDataloader:
+    # Each rank a node of its own (its own buffer): a checkpoint is exact for one rank per node (NOTE [ Checkpoint
+    # cut ] in trainer/cut.py), which is what the test checks through each framework.
+    rank = int(os.environ["RANK"])
     config = DataloaderConfig.from_env(
-        bs=8, shuffle_size=64, min_mixing=0.25, num_writers=NUM_WRITERS, num_readers=1, queue_name=args.queue,
-        redis_url=args.redis_url, batch_format="dict", index_key=False, max_restarts=0,
+        bs=BS, shuffle_size=SHUFFLE, min_mixing=0.25, num_writers=NUM_WRITERS, num_readers=1, queue_name=args.queue,
+        redis_url=args.redis_url, batch_format="dict", index_key=False, max_restarts=0, local_rank=0,
+        local_world_size=1, node_id=f"rank{rank}",
     )  # fmt: skip
-    return MultiprocessShuffledDataloader(Tagged(), config)
+    return MultiprocessShuffledDataloader(FiniteIds(), config)
 
 
-def kill_after_barrier() -> None:
+def kill_after_barrier(args: argparse.Namespace, model: TinyModel) -> None:
+    """The rows trained on up to the checkpoint (steps 1..SAVE_AT) go to a file; then every rank dies."""
+    write_rows(args, "save", model.steps[:SAVE_AT])
     if dist.is_initialized():
         dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def write_result(args: argparse.Namespace, seen: set[tuple[int, int]], saved: dict[str, Any] | None) -> None:
+def write_rows(args: argparse.Namespace, phase: str, steps: list[list[tuple[int, int]]]) -> None:
     rank = int(os.environ["RANK"])
-    resumed: dict[int, list[int]] = {}
-    for wid, value in seen:
-        resumed.setdefault(wid, []).append(value)
-    positions = None
-    if saved is not None:  # every rank's part: the framework's file holds the gathered states
-        positions = {str(w["wid"]): w["pos"] for part in saved.values() for w in part["writers"]}
-    result = {"rank": rank, "resumed": {str(k): sorted(v) for k, v in resumed.items()}, "saved": positions}
-    (Path(args.dir) / f"result-{rank}.json").write_text(json.dumps(result))
+    path = Path(args.dir) / f"{phase}-{rank}.json"
+    path.write_text(json.dumps({"rank": rank, "steps": len(steps), "rows": [row for step in steps for row in step]}))
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
@@ -127,7 +136,7 @@ def run_lightning(args: argparse.Namespace) -> None:
     class Kill(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             if args.phase == "save" and trainer.global_step == SAVE_AT + 1:
-                kill_after_barrier()
+                kill_after_barrier(args, module.model)
 
     ckpt_dir = Path(args.dir) / "ckpt"
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_AT, save_top_k=-1)
@@ -140,11 +149,7 @@ def run_lightning(args: argparse.Namespace) -> None:
     module = Module()
     ckpt = str(ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt") if resume else None
     trainer.fit(module, datamodule=GigashuffleDataModule(lambda: make_loader(args)), ckpt_path=ckpt)
-    saved = None
-    if ckpt:
-        state = torch.load(ckpt, weights_only=False)
-        saved = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-    write_result(args, module.model.seen, saved)
+    write_rows(args, "resume", module.model.steps)
 
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------------------------
@@ -158,7 +163,7 @@ def run_transformers(args: argparse.Namespace) -> None:
     class Kill(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> None:
             if args.phase == "save" and state.global_step == SAVE_AT + 1:
-                kill_after_barrier()
+                kill_after_barrier(args, model)
 
     resume = args.phase == "resume"
     training = TrainingArguments(
@@ -171,8 +176,8 @@ def run_transformers(args: argparse.Namespace) -> None:
     trainer = GigashuffleTrainer(model=model, args=training, loader=loader, callbacks=[Kill()])
     ckpt = str(Path(args.dir) / "out" / f"checkpoint-{SAVE_AT}") if resume else None
     trainer.train(resume_from_checkpoint=ckpt)
-    saved = torch.load(Path(ckpt) / STATE_FILE, weights_only=False) if ckpt else None
-    write_result(args, model.seen, saved)
+    assert ckpt is None or (Path(ckpt) / STATE_FILE).exists(), "the loader's state is in the Trainer's checkpoint"
+    write_rows(args, "resume", model.steps)
     loader.close()
 
 
@@ -191,10 +196,8 @@ def run_accelerate(args: argparse.Namespace) -> None:
     ddp, optimizer = accelerator.prepare(model, optimizer)
     register(accelerator, loader)
     state_dir = Path(args.dir) / "state"
-    saved = None
     if args.phase == "resume":
         accelerator.load_state(str(state_dir))
-        saved = torch.load(state_dir / "custom_checkpoint_0.pkl", weights_only=False)
     for step, batch in enumerate(loader, start=1):
         loss = ddp(**batch)["loss"]
         accelerator.backward(loss)
@@ -203,10 +206,10 @@ def run_accelerate(args: argparse.Namespace) -> None:
         if args.phase == "save" and step == SAVE_AT:
             accelerator.save_state(str(state_dir))
         if args.phase == "save" and step == SAVE_AT + 1:
-            kill_after_barrier()
+            kill_after_barrier(args, model)
         if args.phase == "resume" and step == RESUME_STEPS:
             break
-    write_result(args, model.seen, saved)
+    write_rows(args, "resume", model.steps)
     loader.close()
 
 
@@ -231,10 +234,10 @@ def run_dcp(args: argparse.Namespace) -> None:
         if args.phase == "save" and step == SAVE_AT:
             dcp.save({"model": model.state_dict(), "loader": RankKeyedState(loader)}, checkpoint_id=state_dir)
         if args.phase == "save" and step == SAVE_AT + 1:
-            kill_after_barrier()
+            kill_after_barrier(args, model)
         if args.phase == "resume" and step == RESUME_STEPS:
             break
-    write_result(args, model.seen, None)
+    write_rows(args, "resume", model.steps)
     loader.close()
     dist.destroy_process_group()
 

@@ -19,6 +19,7 @@ from datasets import UniqueIds
 import gigashuffle
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.control.client import connect
+from gigashuffle.promtext import SAMPLE_LINE
 from gigashuffle.tools.stats import queue_rows
 
 HEAVY = ("torch", "numpy", "redis")
@@ -186,6 +187,7 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
             client.close()
         listed_by_url = cli("stats", "--redis", redis_url, "--json", "--interval", "0")
         legacy_flag = cli("stats", "--redis-url", redis_url, "--interval", "0")
+        prometheus = cli("stats", "--redis", redis_url, "--prometheus", "--interval", "0")
     assert not consumer.is_alive()
     (row,) = rows
     assert (row["queue"], row["node"], row["size"], row["ranks"]) == ("cli-stats", "n0", 128, 1)
@@ -203,6 +205,26 @@ def test_stats_lists_each_queue_with_counts_ranks_and_rates(redis_url: str) -> N
     assert header.split() == ["queue", "node", "size", "full", "empty", "in_flight", "ranks", "processes",
                               "written_per_s", "read_per_s", "lock_busy_pct", "generation"]  # fmt: skip
     assert line.split()[:3] == ["cli-stats", "n0", "128"]
+    assert prometheus.returncode == 0, prometheus.stderr
+    _check_prometheus_text(prometheus.stdout)
+    where = f'{{server="{redis_url}",queue="cli-stats",node="n0"}}'
+    assert f"gigashuffle_buffer_slots{where} 128.0" in prometheus.stdout.splitlines()
+    (rate,) = (line for line in prometheus.stdout.splitlines() if line.startswith("gigashuffle_node_rows_per_second"))
+    assert float(rate.rsplit(" ", 1)[1]) > 0, rate
+
+
+def _check_prometheus_text(text: str) -> None:
+    """Every line a comment or a sample a scraper accepts; every family with one HELP and one TYPE."""
+    assert text.endswith("\n")
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        else:
+            assert SAMPLE_LINE.match(line), line
+            assert line.split("{", 1)[0].split(" ", 1)[0] in names, line
+    for name in names:
+        assert sum(line.startswith((f"# HELP {name} ", f"# TYPE {name} ")) for line in text.splitlines()) == 2
 
 
 def test_stats_finds_every_node_embedded_server_and_watches(runtime_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -421,6 +443,7 @@ def test_watch_without_a_server_waits_for_one(runtime_dir: Path) -> None:
         (["--count", "0", "--watch"], 1, "--count 0 is invalid"),
         (["--redis", "localhost:6379"], 1, "--redis 'localhost:6379' is invalid: use redis://"),
         (["--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["--json", "--prometheus"], 2, "not allowed with argument"),
     ],
 )
 def test_bad_stats_arguments(args: list[str], code: int, message: str) -> None:

@@ -32,6 +32,7 @@ def test_device_cpu_yields_the_usual_batches(redis_url: str) -> None:
             assert all(t.device.type == "cpu" for t in batch[0].values())
             assert not seen.intersection(ids), "a row was delivered twice"
             seen.update(ids)
+        assert loader.metrics().h2d_per_batch_s is None, "no device copy: no host-to-device figure"
 
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
@@ -66,6 +67,8 @@ def test_device_mode_never_reuses_a_slot_under_its_copy(
         del batch
         assert len(cuda.registered) == 1, "the one reader's ring was registered when it arrived"
         assert cuda.copies == N, "one copy per batch"
+        h2d = loader.metrics().h2d_per_batch_s
+        assert h2d is not None and 0 < h2d < 1, h2d  # the trainer's share of the copies, per batch
         syncs = cuda.host_syncs
     assert cuda.registered == {} and cuda.unregistered_in_flight == 0
     cuda.advance_all()

@@ -1,15 +1,16 @@
 """Each framework integration for real: a tiny model on two ranks under torchrun (gloo, CPU), a checkpoint through
-the framework, a SIGKILL of every rank, and a resume in a new job whose every rank gets its own writers' states
-back (``framework_job.py`` says what each phase does).
+the framework, a SIGKILL of every rank, and a resume in a new job (``framework_job.py`` says what each phase does).
 
-What is checked is the state contract (NOTE [ Rank-keyed state ] in gigashuffle/integrations/state.py): every rank's
-state reaches the checkpoint although the framework writes rank 0's, and every rank restores its own part (a
-writer given another's state fails the job). Rows in flight at the checkpoint coming back exactly once is the
-loader's own checkpoint's claim, tested with it.
+Checked is exactness (issue 11): over a finite pass of unique ids, the rows the model trained on up to the
+checkpoint plus those after the resume hold every id of the pass exactly once, whatever was in flight at the
+checkpoint or fetched ahead by the framework. That holds only if every rank's state reaches the checkpoint although
+the framework writes rank 0's, and every rank restores its own part (NOTE [ Rank-keyed state ] in
+gigashuffle/integrations/state.py; a writer given another's state fails the job).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600)]
 JOB = Path(__file__).with_name("framework_job.py")
 WORLD = 2
 NUM_WRITERS = 2
+IDS, STRIDE = 24, 10**6  # as framework_job.py: each rank a node of its own (exact cut: NOTE [ Checkpoint cut ])
 DEADLINE_S = startup_deadline(240.0, startups=40)
 
 
@@ -48,26 +50,40 @@ def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> sub
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
-@pytest.mark.parametrize("framework", ["lightning", "transformers", "accelerate", "dcp"])
-def test_checkpoint_kill_and_resume_restore_every_rank(tmp_path: Path, redis_url: str, framework: str) -> None:
+def _rows(tmp_path: Path, phase: str) -> list[tuple[int, int]]:
+    rows: list[tuple[int, int]] = []
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"{phase}-{rank}.json").read_text())
+        assert result["rank"] == rank and result["steps"] > 0, result
+        rows += [(int(i), int(p)) for i, p in result["rows"]]
+    return rows
+
+
+# Known losses, each a bug of the integration to fix (strict: the test fails once it is fixed, so that the mark goes).
+_LOSES_ROWS = {
+    "lightning": "Lightning's fit loop fetches a batch ahead, so the state saved at step N already counts batch N+1 "
+    "as delivered, and a resume loses it (13 of 96 ids in one run)",
+    "dcp": "dcp.load loads into the state_dict() of the fresh loader, whose tensors of undelivered rows are not the "
+    "saved ones: the buffer's rows saved by the cut never come back (66 of 96 ids in one run)",
+}
+
+
+@pytest.mark.parametrize(
+    "framework",
+    [pytest.param(f, marks=pytest.mark.xfail(f in _LOSES_ROWS, reason=_LOSES_ROWS.get(f, ""), strict=True))
+     for f in ("lightning", "transformers", "accelerate", "dcp")],
+)  # fmt: skip
+def test_checkpoint_kill_and_resume_train_on_every_id_once(tmp_path: Path, redis_url: str, framework: str) -> None:
     pytest.importorskip({"dcp": "torch", "lightning": "lightning"}.get(framework, framework))
     saved = _torchrun(tmp_path, framework, "save", redis_url)
     assert saved.returncode != 0, "the save phase must end killed:\n" + saved.stdout[-4000:]
     assert "Signal 9" in saved.stdout or "SIGKILL" in saved.stdout, saved.stdout[-4000:]
     resumed = _torchrun(tmp_path, framework, "resume", redis_url)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
-    restored: dict[str, list[int]] = {}
-    saved_positions: dict[str, int] = {}
-    for rank in range(WORLD):  # the ranks share the node's buffer: each sees rows of every writer
-        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
-        for wid, values in result["resumed"].items():
-            restored.setdefault(wid, []).extend(v for v in values if v >= 0)
-        saved_positions.update(result["saved"] or {})
-    writers = {str(w) for w in range(WORLD * NUM_WRITERS)}
-    assert set(restored) == writers, restored
-    for wid, values in restored.items():
-        assert len(set(values)) == 1, (framework, wid, restored)  # restored once (a slow writer may be at 0)
-    if saved_positions:  # the checkpoint file names every writer's position: each got exactly its own
-        assert {wid: values[0] for wid, values in restored.items()} == saved_positions, (restored, saved_positions)
-    elif framework != "dcp":
-        raise AssertionError(f"{framework}: the job did not read its checkpoint file")
+    before, after = _rows(tmp_path, "save"), _rows(tmp_path, "resume")
+    trained = collections.Counter(i for i, p in before + after if p == 0)  # pass 0 (pass 1 follows it)
+    everything = {w * STRIDE + i for w in range(WORLD * NUM_WRITERS) for i in range(IDS)}
+    assert set(trained) <= everything, set(trained) - everything
+    lost = sorted(everything - set(trained))
+    twice = sorted(i for i, n in trained.items() if n > 1)
+    assert (lost, twice) == ([], []), f"{framework}: {len(lost)} ids lost {lost[:8]}, {len(twice)} twice {twice[:8]}"

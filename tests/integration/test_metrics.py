@@ -17,6 +17,7 @@ from datasets import DEADLINE_S, SlowUniqueIds, UniqueIds, poll, take, wait_for
 
 from gigashuffle import DataloaderConfig, GigashuffleError, MultiprocessShuffledDataloader
 from gigashuffle.host.pids import is_stopped
+from gigashuffle.promtext import SAMPLE_LINE
 
 
 def _config(redis_url: str, **overrides: Any) -> DataloaderConfig:
@@ -39,9 +40,9 @@ def _warm(loader: MultiprocessShuffledDataloader, n: int = 10) -> Any:
 def test_slow_dataset_shows_waiting_trainer_and_writers_in_the_dataset(redis_url: str) -> None:
     with MultiprocessShuffledDataloader(SlowUniqueIds(chunk=8, sleep_s=0.02), _config(redis_url)) as loader:
         it = _warm(loader)
-        loader.metrics()  # the interval starts here
+        loader.metrics(max_age_s=0)  # the interval starts here (a fresh reading)
         take(it, 30)
-        m = loader.metrics()
+        m = loader.metrics(max_age_s=0)
     assert m.batches >= 40 and m.wait_s > 0
     assert m.wait_share > 0.5, m  # the trainer waits for data most of the time
     assert m.wait_per_batch_s > 0.005, m  # a batch is two chunks of 20 ms sleep away
@@ -56,11 +57,11 @@ def test_slow_trainer_shows_no_wait_and_writers_blocked_on_a_full_buffer(redis_u
     with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url)) as loader:
         it = _warm(loader)
         wait_for(lambda: loader.stats().full >= 100, "the buffer to fill again after the warm-up")
-        loader.metrics()
+        loader.metrics(max_age_s=0)
         for _ in range(20):
             next(it)
             time.sleep(0.05)  # the training step: the trainer, not the data, is the bound
-        m = loader.metrics()
+        m = loader.metrics(max_age_s=0)
     assert m.wait_share < 0.3, m
     (writer,) = m.writers
     assert writer.blocked > 0.5 and writer.in_dataset < 0.3, m
@@ -68,6 +69,8 @@ def test_slow_trainer_shows_no_wait_and_writers_blocked_on_a_full_buffer(redis_u
     assert m.fill_samples > 0, m  # sampled by the reader at its draws (one per batch the trainer frees)
     assert 0 <= m.lock_busy_share < 0.5, m
     assert not math.isnan(m.row_age_rows) and m.row_age_rows > 0, m
+    assert m.writers_per_batch == 1.0, m  # one writer: every batch has one
+    assert m.h2d_per_batch_s is None, m  # no device
 
 
 def test_stopped_writer_rows_per_s_drops_to_zero_and_a_killed_one_counts_as_a_restart(redis_url: str) -> None:
@@ -78,12 +81,13 @@ def test_stopped_writer_rows_per_s_drops_to_zero_and_a_killed_one_counts_as_a_re
         assert table is not None
         victim = _stop_a_writer_not_holding_the_lock(loader, table)
         try:
-            loader.metrics()
+            loader.metrics(max_age_s=0)
             # Three buffers' worth of rows: whatever the machine's load, the other writer must write in this interval.
             take(it, 3 * cfg.shuffle_size // cfg.bs)
-            m = loader.metrics()
+            m = loader.metrics(max_age_s=0)
         finally:
             os.kill(victim, signal.SIGCONT)
+        assert 1.0 <= m.writers_per_batch <= 2.0, m
         by_pid = {w.pid: w for w in m.writers}
         assert by_pid[victim].rows_per_s == 0.0, m
         (other,) = (w for pid, w in by_pid.items() if pid != victim)
@@ -127,6 +131,7 @@ def test_prometheus_text(redis_url: str) -> None:
                    for line in lines)  # fmt: skip
     for line in lines:
         if not line.startswith("#"):
+            assert SAMPLE_LINE.match(line), line  # the line format a scraper parses
             float(line.rsplit(" ", 1)[1])  # every sample is a number (NaN included)
 
 
@@ -135,3 +140,19 @@ def test_metrics_of_a_closed_loader_raise(redis_url: str) -> None:
     loader.close()
     with pytest.raises(GigashuffleError, match="closed"):
         loader.metrics()
+
+
+def test_two_writers_mix_in_a_batch_and_a_cached_reading_between_fresh_ones(redis_url: str) -> None:
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, num_writers=2)) as loader:
+        it = _warm(loader)
+        # Both writers' rows reach the buffer within a few batches: a batch of 8 random rows then mixes them.
+        m = poll(it, lambda _b: loader.metrics(max_age_s=0).writers_per_batch > 1.2, "batches of both writers")
+        m = loader.metrics(max_age_s=60)  # younger than a minute: the last reading, unchanged
+        assert m is loader.metrics(max_age_s=60) and 1.2 < m.writers_per_batch <= 2.0, m
+        take(it, 2)
+        again = loader.metrics(max_age_s=60)
+        assert again is m and again.batches == m.batches, "a cached reading is not updated"
+        fresh = loader.metrics(max_age_s=0)
+        assert fresh is not m and fresh.taken_at > m.taken_at and fresh.batches >= m.batches + 2
+        with pytest.raises(ValueError, match="max_age_s"):
+            loader.metrics(max_age_s=-1)

@@ -11,7 +11,8 @@ import psutil
 import pytest
 import torch
 
-from gigashuffle.tools.bench import options, quality, runner
+from gigashuffle.tools import quality
+from gigashuffle.tools.bench import options, runner
 from gigashuffle.tools.bench.baselines import (
     CopyFloor,
     WorkerShuffleBuffer,

@@ -84,3 +84,19 @@ def test_trainer_wait_and_rows() -> None:
     m = reader.read([], None, restarts=0)
     assert m.batches == 5 and m.wait_per_batch_s == pytest.approx(0.002)
     assert m.rows_per_s == pytest.approx(20 / m.interval_s)
+
+
+def test_writers_per_batch_and_host_to_device_over_the_interval() -> None:
+    child = _child("reader", 0, pid=404)
+    reader = MetricsReader("q", 0, shuffle_size=100, bs=4)
+    cells = _cells(child)
+    cells[cc.R_WRITERS_SUM] += 30  # before the first reading: counted from the reader's start
+    cells[cc.R_WRITERS_N] += 10
+    first = reader.read([child], None, restarts=0, h2d=(0.5, 100))
+    assert first.writers_per_batch == pytest.approx(3.0) and first.h2d_per_batch_s == pytest.approx(0.005)
+    cells[cc.R_WRITERS_SUM] += 4
+    cells[cc.R_WRITERS_N] += 4
+    m = reader.read([child], None, restarts=0, h2d=(0.6, 150))
+    assert m.writers_per_batch == pytest.approx(1.0)  # this interval's batches only
+    assert m.h2d_per_batch_s == pytest.approx(0.002)
+    assert reader.read([child], None, restarts=0).h2d_per_batch_s is None  # no device

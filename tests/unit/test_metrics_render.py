@@ -37,3 +37,11 @@ def test_every_figure_has_help_type_and_one_labelled_sample() -> None:
 def test_prefix_and_label_escaping() -> None:
     text = _metrics(queue='a"b\\c').to_prometheus(prefix="job")
     assert 'job_wait_share{queue="a\\"b\\\\c",rank="3"} 0.25' in text.splitlines()
+
+
+def test_host_to_device_series_only_with_a_device() -> None:
+    assert "h2d_per_batch_seconds" not in _metrics().to_prometheus()
+    lines = _metrics(h2d_per_batch_s=0.00025, writers_per_batch=1.5).to_prometheus().splitlines()
+    assert 'gigashuffle_h2d_per_batch_seconds{queue="q.1",rank="3"} 0.00025' in lines
+    assert "# TYPE gigashuffle_h2d_per_batch_seconds gauge" in lines
+    assert 'gigashuffle_writers_per_batch{queue="q.1",rank="3"} 1.5' in lines

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.trainer.datasetstate import rank_key
 
 
 class TinyCounter(IterableDataset):  # type: ignore[type-arg]
@@ -79,7 +80,7 @@ def main() -> None:
             state = loader.state_dict()
             rows["state_dict_s"].append(time.perf_counter() - t0)
             rows["pause_s"].append(loader._sup.last_cut_s)
-            saved = state[f"rank{loader.config.global_rank}"]["rows"]
+            saved = state[rank_key(loader.config.global_rank)]["rows"]
             rows["saved_rows"].append(float(len(saved["fields"][0])) if saved else 0.0)
             t0 = time.perf_counter()
             blob = io.BytesIO()

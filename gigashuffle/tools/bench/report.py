@@ -125,7 +125,7 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         for name, ld in loaders
     ]
     sections = [
-        "start-up (constructor to dummy batch) vs python -c 'import torch'\n"
+        "start-up (constructor to dummy batch) vs python -c 'import torch' (run at the same time as the start-up)\n"
         + _table(["workload", "", "loader", "import torch", "ratio"], startup),
         "loader children after the timed window (MiB)\n"
         + _table(["workload", "role", "rank", "pid", "USS", "PSS", "shared"], memory),

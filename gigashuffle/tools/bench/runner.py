@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,8 @@ from gigashuffle.tools.bench.ranks import (
 )
 from gigashuffle.tools.bench.report import Result, format_table, ratio
 from gigashuffle.tools.bench.shapedfloor import Shape, shaped_floor
-from gigashuffle.tools.bench.stamps import ChunkStamps, Stream, measure_quality, read_stream
+from gigashuffle.tools.bench.stamps import ChunkStamps
+from gigashuffle.tools.bench.streams import Stream, measure_quality, read_stream
 from gigashuffle.tools.bench.workloads import ID_FIELD, WORKLOADS, RepeatingChunkDataset, Workload, get_workload
 
 if TYPE_CHECKING:
@@ -51,11 +53,29 @@ FILL_EVERY_BATCHES = 32
 _STREAM = "_stream"  # a result's key for its rows until run_workload measures quality (never in the output)
 
 
-def import_torch_seconds() -> float:
-    """Wall time of a fresh ``python -c "import torch"``: the start-up cost every torch job pays anyway."""
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return time.perf_counter() - start
+class ImportTorchTimer:
+    """Wall time of a fresh ``python -c "import torch"``: the start-up cost every torch job pays anyway.
+
+    It runs while the loader starts, whose zygote imports torch at the same moment (a few seconds off the bench;
+    on a loaded machine both slow down alike, so their ratio holds better than when timed apart). A thread waits
+    for it, so the time is the subprocess's own even when the loader's start-up ends later."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._process = subprocess.Popen([sys.executable, "-c", "import torch"])
+        self._ended: list[float] = []
+        self._waiter = threading.Thread(target=self._wait, name="import-torch-timer", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self._process.wait()
+        self._ended.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        self._waiter.join()
+        if self._process.returncode != 0:
+            raise RuntimeError(f"python -c 'import torch' exited with code {self._process.returncode}")
+        return self._ended[0] - self._started
 
 
 def redis_command_calls(client: Any) -> int:
@@ -116,7 +136,7 @@ def measure_loader(
 
     queue_name = f"bench-{workload.name}-{os.getpid()}-{secrets.token_hex(4)}"
     cfg = rank_config(workload, queue_name, writers, readers, 0, ranks, redis_url)
-    import_torch_s = import_torch_seconds()
+    import_torch = ImportTorchTimer()
     ids: list[np.ndarray] = []
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -126,6 +146,7 @@ def measure_loader(
         loader = stack.enter_context(MultiprocessShuffledDataloader(dataset, cfg))
         loader.get_dummy_batch()
         startup_s = time.perf_counter() - start
+        import_torch_s = import_torch.seconds()
         log.info("%s: loader start-up %.2f s (import torch %.2f s)", workload.name, startup_s, import_torch_s)
         # Started only now: loader.redis_url is the Redis this rank resolved (with none given, the embedded server it
         # started), and every rank of the node must use that one to share the buffer. Left before the loader, so the
@@ -305,7 +326,8 @@ def _measure_baselines(workload: Workload, seconds: float) -> Result:
     meter.stop()
     floor = {**floor_rate.to_dict(), "cpu_us_per_row": meter.per_row_us(floor_rate.samples)}
     gc.collect()
-    floor["one_thread_samples_per_s"] = copy_floor(workload, seconds / 2, threads=1).samples_per_s
+    # A quarter of the window: one thread's steady rate needs no more (it only scales the loader_vs figures).
+    floor["one_thread_samples_per_s"] = copy_floor(workload, max(seconds / 4, 0.5), threads=1).samples_per_s
     log.info(
         "%s: copy floor %.0f samples/s (%.0f on one thread)",
         workload.name, floor["samples_per_s"], floor["one_thread_samples_per_s"],

@@ -1,16 +1,17 @@
 """When each writer of a benchmark produced each of its chunks: the write order that row ids alone do not tell.
 
-A bench row id is ``writer << WRITER_SHIFT | counter`` (:mod:`.workloads`): it says which writer wrote a row and
-in what order that writer wrote its own rows, but not how the writers interleaved. Estimated from each writer's
-share (:func:`.quality.write_positions`), the interleaving is wrong whenever the writers' rates vary over time,
-as they do on a machine with fewer cores than processes: in one run of two writers and two readers on two cores,
-tiny rows got a displacement ratio of 2.31 from the estimate ("better mixed than an ideal buffer") and 0.75 from
-these stamps. With one writer the two give the same figure.
+A bench row id is ``writer << WRITER_SHIFT | counter`` (:mod:`gigashuffle.tools.rowids`): it says which writer wrote
+a row and in what order that writer wrote its own rows, but not how the writers interleaved. Estimated from each
+writer's share (:func:`gigashuffle.tools.quality.write_positions`), the interleaving is wrong whenever the writers'
+rates vary over time, as they do on a machine with fewer cores than processes: in one run of two writers and two
+readers on two cores, tiny rows got a displacement ratio of 2.31 from the estimate ("better mixed than an ideal
+buffer") and 0.75 from these stamps. With one writer the two give the same figure.
 
 So each writer notes ``time.monotonic_ns()`` (one clock for every process of the machine) as it hands out chunk
 ``k``, in slot ``k`` of a file of its own under a directory the bench owns; afterwards the rows read get their
-chunk's time, and :func:`.quality.write_positions_from_stamps` places them in the combined write stream. A note
-costs one clock read and one store per chunk (64 to 1,024 rows), in the writer, outside the loader's code.
+chunk's time, and :func:`gigashuffle.tools.quality.write_positions_from_stamps` places them in the combined write
+stream. A note costs one clock read and one store per chunk (64 to 1,024 rows), in the writer, outside the loader's
+code.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.tools.bench import quality
-from gigashuffle.tools.bench.workloads import Workload
+from gigashuffle.tools.rowids import split_ids
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class ChunkStamps:
 
     def row_stamps(self, ids: npt.NDArray[np.int64], chunk_rows: int) -> npt.NDArray[np.int64] | None:
         """The time each row's chunk was handed out, or None if a row's writer noted no time for it."""
-        writers, counters = quality.split_ids(ids)
+        writers, counters = split_ids(ids)
         chunks = counters // chunk_rows
         stamps = np.zeros(ids.size, dtype=np.int64)
         for writer in np.unique(writers):
@@ -81,41 +80,3 @@ class ChunkLog:
     def note(self, chunk: int) -> None:
         if chunk < self._times.size:
             self._times[chunk] = time.monotonic_ns()
-
-
-@dataclass(frozen=True)
-class Stream:
-    """The rows one implementation delivered, per batch in read order, and their write times (None: unknown)."""
-
-    batches: list[npt.NDArray[np.int64]]
-    stamps: npt.NDArray[np.int64] | None
-    writers: int
-
-    @property
-    def rows(self) -> int:
-        return sum(len(b) for b in self.batches)
-
-
-def read_stream(workload: Workload, ids: list[npt.NDArray[np.int64]], writers: int, stamps: ChunkStamps) -> Stream:
-    """The rows read (``ids`` per batch) with their writers' chunk times, read now: the stamp files go away with
-    their run."""
-    row_stamps = stamps.row_stamps(np.concatenate(ids), workload.chunk_rows) if ids else None
-    if row_stamps is None and ids:
-        log.warning("%s: rows without a write time; quality estimates write order from each writer's share",
-                    workload.name)  # fmt: skip
-    return Stream(ids, row_stamps, writers)
-
-
-def measure_quality(workload: Workload, stream: Stream, rows: int | None = None) -> dict[str, Any]:
-    """Quality figures of the first ``rows`` rows of ``stream`` (whole batches; default all), placed in the write
-    stream by their writers' chunk times when every row has one; else estimated from each writer's share, and
-    said so. Implementations compared over the same number of rows share one ideal (NOTE [ One ideal ])."""
-    batches, taken = [], 0
-    for batch in stream.batches:
-        if rows is not None and taken + len(batch) > rows:
-            break
-        batches.append(batch)
-        taken += len(batch)
-    row_stamps = None if stream.stamps is None else [stream.stamps[:taken]]
-    figures = quality.measure(batches, workload.shuffle_size, stream.writers, stamps=row_stamps)
-    return {**figures.to_dict(), "write_order": "estimated" if stream.stamps is None else "stamped"}

@@ -3,7 +3,8 @@
 Each workload is a row layout plus the sizes from the benchmark issue (chunk rows, batch size, shuffle size).
 The dataset builds one chunk once and yields it again and again, so what is timed is the loader moving
 bytes, not a dataset producing them. Every row still carries a unique ``id`` (int64) so that shuffle quality
-can be measured on the rows that come out: ``id = writer_id * 2**40 + running row counter of that writer``.
+can be measured on the rows that come out: ``id = writer_id * 2**40 + running row counter of that writer``
+(:mod:`gigashuffle.tools.rowids`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from gigashuffle.tools.rowids import ID_FIELD, WRITER_SHIFT
+
 if TYPE_CHECKING:
     from gigashuffle.tools.bench.stamps import ChunkStamps
 
-ID_FIELD = "id"
-# 2**40 rows per writer is far more than any benchmark writes, and 2**23 writers still fit in an int64.
-WRITER_SHIFT = 40
+__all__ = [
+    "ID_FIELD", "WORKLOADS", "Chunk", "FieldSpec", "RepeatingChunkDataset", "Workload", "get_workload", "make_ids",
+]  # fmt: skip
 
 Chunk = list[dict[str, torch.Tensor]]
 

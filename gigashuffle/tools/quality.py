@@ -1,11 +1,11 @@
 """Shuffle quality of a stream of row ids, against a simulated ideal shuffle buffer. Pure numpy.
 
-Row ids are ``writer_id * 2**WRITER_SHIFT + row counter of that writer`` (see :mod:`.workloads`). The write
-position of a row is its place in the combined write stream; with several writers the interleaving is not
-observed: when the writers stamp their rows with the time, it is reconstructed from the stamps
-(:func:`write_positions_from_stamps`, what ``gigashuffle demo`` and ``gigashuffle bench`` do: see
-:mod:`.stamps`); otherwise it is estimated from each writer's share of the rows (:func:`write_positions`). The
-read position is the row's place in the stream that came out.
+Used by ``gigashuffle bench`` and ``gigashuffle demo``. Row ids are ``writer_id * 2**WRITER_SHIFT + row counter of
+that writer`` (:mod:`gigashuffle.tools.rowids`). The write position of a row is its place in the combined write
+stream; with several writers the interleaving is not observed: when the writers stamp their rows with the time, it
+is reconstructed from the stamps (:func:`write_positions_from_stamps`, what ``gigashuffle demo`` and ``gigashuffle
+bench`` do: see :mod:`gigashuffle.tools.bench.stamps`); otherwise it is estimated from each writer's share of the
+rows (:func:`write_positions`). The read position is the row's place in the stream that came out.
 
 Figures (all in rows):
 
@@ -29,13 +29,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-from gigashuffle.tools.bench.workloads import WRITER_SHIFT
+from gigashuffle.tools.rowids import IntArray, split_ids
 
-IntArray = npt.NDArray[np.int64]
+__all__ = ["FIRST_BATCHES", "ShuffleQuality", "measure", "split_ids"]
 
-_COUNTER_MASK = (1 << WRITER_SHIFT) - 1
 FIRST_BATCHES = 1000  # distinct writers per batch is also given over this many first batches (issue 23)
 
 
@@ -58,12 +56,6 @@ class ShuffleQuality:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
-
-
-def split_ids(ids: IntArray) -> tuple[IntArray, IntArray]:
-    """(writer ids, per-writer row counters) of an array of row ids."""
-    ids = np.asarray(ids, dtype=np.int64)
-    return ids >> WRITER_SHIFT, ids & _COUNTER_MASK
 
 
 def write_positions(ids: IntArray) -> IntArray:
