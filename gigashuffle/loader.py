@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from gigashuffle.trainer.batches import Batches
 from gigashuffle.trainer.metrics import METRICS_MAX_AGE_S, LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.teardown import at_exit, shutdown
+from gigashuffle.trainer.unconsumed import unconsumed_rows
 
 log = logging.getLogger(__name__)
 
@@ -198,18 +199,21 @@ class MultiprocessShuffledDataloader:
             return
         self._sup.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
-        (NOTE in trainer/datasetstate.py). The dicts of all ranks merge with ``dict.update``; a writer that is dead
-        or being started again is waited for (up to a minute), never a crash."""
+        and the rows read and not handed out (NOTE in trainer/datasetstate.py). The dicts of all ranks merge with
+        ``dict.update``; a writer that is dead or being started again is waited for (up to a minute), never a
+        crash. ``unconsumed``: batches this loader handed out that the caller did not train on (a framework's
+        prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
         self._check_open()
         self._require_state_methods("state_dict")
-        return datasetstate.collect(self._sup, self.config)
+        extra = unconsumed_rows(unconsumed, self._sup) if unconsumed else None
+        return datasetstate.collect(self._sup, self.config, extra=extra)
 
-    def gathered_state_dict(self) -> dict[str, Any]:
+    def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
         collective, so every rank must call it), for frameworks that save the loader's state from rank 0 only."""
-        mine = self.state_dict()
+        mine = self.state_dict(unconsumed)
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return mine
         parts: list[Any] = [None] * torch.distributed.get_world_size()

@@ -39,8 +39,14 @@ class GigashuffleDataModule(pl.LightningDataModule):  # type: ignore[misc,unused
     def loader(self) -> MultiprocessShuffledDataloader:
         if self._loader is None:
             built = self._source if isinstance(self._source, MultiprocessShuffledDataloader) else self._source()
-            self._loader = StatefulLoader(built)
+            self._loader = StatefulLoader(built, trained=self._trained)
         return self._loader.loader
+
+    def _trained(self) -> int:
+        """Batches the fit loop has taken into training steps this epoch: it fetches one ahead (NOTE [ Rank-keyed
+        state ] in integrations/state.py)."""
+        trainer = self.trainer
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) if trainer is not None else 0
 
     def train_dataloader(self) -> StatefulLoader:
         self.loader  # noqa: B018 (builds it)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from gigashuffle.config import DataloaderConfig
@@ -21,6 +22,7 @@ from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import LoadState
 from gigashuffle.trainer import cut
 from gigashuffle.trainer.supervisor import Supervisor
+from gigashuffle.trainer.unconsumed import with_unconsumed
 
 # How long state_dict() waits for every writer's answer, a dead writer's respawn included.
 REPLY_TIMEOUT_S = 60.0
@@ -30,7 +32,12 @@ def rank_key(global_rank: int) -> str:
     return f"rank{global_rank}"
 
 
-def collect(sup: Supervisor, config: DataloaderConfig, timeout_s: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
+def collect(
+    sup: Supervisor,
+    config: DataloaderConfig,
+    timeout_s: float = REPLY_TIMEOUT_S,
+    extra: tuple[str, list[np.ndarray[Any, Any]]] | None = None,
+) -> dict[str, Any]:
     """This rank's checkpoint: every writer's dataset state and the rows read and not delivered (NOTE
     [ Checkpoint cut ] in trainer/cut.py).
 
@@ -39,6 +46,8 @@ def collect(sup: Supervisor, config: DataloaderConfig, timeout_s: float = REPLY_
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
     answers, rows = cut.take(sup, config, timeout_s)
+    if extra is not None:  # the rows of batches handed out and not trained on (trainer/unconsumed.py)
+        rows = with_unconsumed(rows, extra)
     return {
         rank_key(config.global_rank): {
             "global_rank": config.global_rank,

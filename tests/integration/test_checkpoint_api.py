@@ -138,3 +138,30 @@ def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_
     seen = collections.Counter(before + [i for i, p in after if p == 0])
     assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
     assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"
+
+
+def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_url: str) -> None:
+    """A framework that fetches ahead checkpoints with one batch more handed out than trained on: passed as
+    ``state_dict(unconsumed=[batch])``, its rows are saved and come back once after the resume."""
+    ids = 400
+    queue = f"ahead-{uuid.uuid4().hex[:8]}"
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue)) as loader:
+        it = iter(loader)
+        trained = take(it, 5)
+        ahead = take(it, 2)  # fetched, never trained on
+        state = loader.state_dict(unconsumed=ahead)
+        with pytest.raises(ValueError, match=r"unconsumed=\.\.\.\): item 0 is not a batch of this loader"):
+            loader.state_dict(unconsumed=[[{"other": torch.zeros(4)}]])
+        with pytest.raises(TypeError, match=r"item 0 is a dict, but this loader yields each batch as a list of dicts"):
+            loader.state_dict(unconsumed=ahead[0])  # type: ignore[arg-type]
+    before = [int(i) for b in trained for i in b[0]["id"]]
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue)) as again:
+        again.load_state_dict(state)
+        it = iter(again)
+        after: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 120
+        while sum(p > 0 for _i, p in after) < 20 * 64 and time.monotonic() < deadline:
+            after += [(int(i), int(p)) for b in take(it, 1) for i, p in zip(b[0]["id"], b[0]["pass"], strict=True)]
+    seen = collections.Counter(before + [i for i, p in after if p == 0])
+    assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
+    assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"

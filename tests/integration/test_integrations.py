@@ -35,7 +35,7 @@ def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> sub
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(JOB),
         "--framework", framework, "--phase", phase, "--dir", str(tmp_path), "--redis-url", redis_url,
-        "--queue", f"{framework}-{phase}-{uuid.uuid4().hex[:8]}",
+        "--queue", _queue(tmp_path, framework),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(JOB.parent), str(JOB.parent.parent)]),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}  # fmt: skip
@@ -50,6 +50,14 @@ def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> sub
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
+def _queue(tmp_path: Path, framework: str) -> str:
+    """One queue for both phases of a test (a checkpoint names its queue; a loader of another one refuses it)."""
+    path = tmp_path / "queue"
+    if not path.exists():
+        path.write_text(f"{framework}-{uuid.uuid4().hex[:8]}")
+    return path.read_text()
+
+
 def _rows(tmp_path: Path, phase: str) -> list[tuple[int, int]]:
     rows: list[tuple[int, int]] = []
     for rank in range(WORLD):
@@ -59,20 +67,7 @@ def _rows(tmp_path: Path, phase: str) -> list[tuple[int, int]]:
     return rows
 
 
-# Known losses, each a bug of the integration to fix (strict: the test fails once it is fixed, so that the mark goes).
-_LOSES_ROWS = {
-    "lightning": "Lightning's fit loop fetches a batch ahead, so the state saved at step N already counts batch N+1 "
-    "as delivered, and a resume loses it (13 of 96 ids in one run)",
-    "dcp": "dcp.load loads into the state_dict() of the fresh loader, whose tensors of undelivered rows are not the "
-    "saved ones: the buffer's rows saved by the cut never come back (66 of 96 ids in one run)",
-}
-
-
-@pytest.mark.parametrize(
-    "framework",
-    [pytest.param(f, marks=pytest.mark.xfail(f in _LOSES_ROWS, reason=_LOSES_ROWS.get(f, ""), strict=True))
-     for f in ("lightning", "transformers", "accelerate", "dcp")],
-)  # fmt: skip
+@pytest.mark.parametrize("framework", ["lightning", "transformers", "accelerate", "dcp"])
 def test_checkpoint_kill_and_resume_train_on_every_id_once(tmp_path: Path, redis_url: str, framework: str) -> None:
     pytest.importorskip({"dcp": "torch", "lightning": "lightning"}.get(framework, framework))
     saved = _torchrun(tmp_path, framework, "save", redis_url)
