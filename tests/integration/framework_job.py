@@ -3,7 +3,7 @@
 ``--phase save``: train a tiny model on the loader through ``--framework`` (lightning, transformers, accelerate
 or dcp), checkpoint at step ``SAVE_AT`` through the framework, then every rank SIGKILLs itself at the next step
 (after a barrier, so the checkpoint is complete): a kill, not an exit.
-``--phase resume``: a new job (another queue) resumes from that checkpoint through the framework and trains
+``--phase resume``: a new job (of the same queue) resumes from that checkpoint through the framework and trains
 ``RESUME_STEPS`` more steps; each rank writes ``--dir/result-<rank>.json`` with, per writer whose rows it saw,
 the dataset position the writer was restored to (``resumed``; -1 for rows written before the restore) and, where
 the framework's file can be read here, the positions the checkpoint holds for every writer of the job. The ranks

@@ -29,11 +29,13 @@ NUM_WRITERS = 2
 DEADLINE_S = startup_deadline(240.0, startups=40)
 
 
-def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    tmp_path: Path, framework: str, phase: str, redis_url: str, queue: str
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(JOB),
         "--framework", framework, "--phase", phase, "--dir", str(tmp_path), "--redis-url", redis_url,
-        "--queue", f"{framework}-{phase}-{uuid.uuid4().hex[:8]}",
+        "--queue", queue,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(JOB.parent), str(JOB.parent.parent)]),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}  # fmt: skip
@@ -51,10 +53,11 @@ def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> sub
 @pytest.mark.parametrize("framework", ["lightning", "transformers", "accelerate", "dcp"])
 def test_checkpoint_kill_and_resume_restore_every_rank(tmp_path: Path, redis_url: str, framework: str) -> None:
     pytest.importorskip({"dcp": "torch", "lightning": "lightning"}.get(framework, framework))
-    saved = _torchrun(tmp_path, framework, "save", redis_url)
+    queue = f"{framework}-{uuid.uuid4().hex[:8]}"  # the resumed job is of the same queue: a checkpoint names it
+    saved = _torchrun(tmp_path, framework, "save", redis_url, queue)
     assert saved.returncode != 0, "the save phase must end killed:\n" + saved.stdout[-4000:]
     assert "Signal 9" in saved.stdout or "SIGKILL" in saved.stdout, saved.stdout[-4000:]
-    resumed = _torchrun(tmp_path, framework, "resume", redis_url)
+    resumed = _torchrun(tmp_path, framework, "resume", redis_url, queue)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     restored: dict[str, list[int]] = {}
     saved_positions: dict[str, int] = {}
