@@ -100,9 +100,16 @@ class Sharded(IterableDataset):  # type: ignore[type-arg]
     # -- reading -------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Chunk]:
         cursor = self._placed()  # a later load_state_dict replaces the dict: this pass then writes to the old one
-        pass_ = shardcursor.current_pass(cursor)
-        if pass_ is None:
-            return
+        while (pass_ := shardcursor.current_pass(cursor)) is not None:
+            yielded = False
+            for chunk in self._pass(cursor, pass_):
+                yielded = True
+                yield chunk
+            # A pass that had only empty shards left is the tail of the one before: read the next one now.
+            if yielded or all(self._lengths.get(s) == 0 for s in cursor):
+                return
+
+    def _pass(self, cursor: shardcursor.Cursor, pass_: int) -> Iterator[Chunk]:
         for shard in self._order_for(cursor)(pass_):
             at = cursor.get(shard)
             if at is None or at[0] != pass_:
