@@ -18,6 +18,8 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -25,6 +27,19 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.sources import ParquetReader, Sharded
 
 PASSES = (0, 1)
+SHARD_ROWS = (90, 130, 70, 150, 110, 60, 140, 100, 120)  # 9 shards, 1,070 ids
+
+
+def write_shards(folder: Path, lengths: tuple[int, ...] = SHARD_ROWS) -> Path:
+    folder.mkdir()
+    start = 0
+    for s, n in enumerate(lengths):
+        ids = np.arange(start, start + n, dtype=np.int64) * 7 + 3  # not positions: ids the rows carry
+        x = np.stack([ids, -ids], axis=1).astype(np.float32)
+        table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 2)})
+        pq.write_table(table, folder / f"shard-{s:02d}.parquet", row_group_size=32)
+        start += n
+    return folder
 
 
 def shards_of(folder: str) -> list[str]:

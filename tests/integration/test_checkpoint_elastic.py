@@ -18,32 +18,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import pytest
 import torch
-from datasets import wait_for
-from elastic_job import PASSES, all_ids, shards_of
-
-from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.sources import ParquetReader, Sharded
+from elastic_job import PASSES, all_ids, write_shards
 
 JOB = Path(__file__).with_name("elastic_job.py")
 _SEGMENT_S = 300
-SHARD_ROWS = (90, 130, 70, 150, 110, 60, 140, 100, 120)  # 9 shards, 1,070 ids
-
-
-def write_shards(folder: Path, lengths: tuple[int, ...] = SHARD_ROWS) -> Path:
-    folder.mkdir()
-    start = 0
-    for s, n in enumerate(lengths):
-        ids = np.arange(start, start + n, dtype=np.int64) * 7 + 3  # not positions: ids the rows carry
-        x = np.stack([ids, -ids], axis=1).astype(np.float32)
-        table = pa.table({"id": ids, "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 2)})
-        pq.write_table(table, folder / f"shard-{s:02d}.parquet", row_group_size=32)
-        start += n
-    return folder
 
 
 def _segment(redis_url: str, queue: str, shards: Path, out: Path, world: int, writers: int, *args: str) -> str:
@@ -85,8 +64,9 @@ def test_a_checkpoint_resumes_on_other_world_sizes_and_writer_counts_exactly(red
     ckpt = ""
     for seg, (world, writers) in enumerate([(2, 2), (3, 3)]):
         save = tmp_path / f"ckpt{seg}"
+        resume = ["--resume", ckpt] if ckpt else []
         log = _segment(redis_url, queue, shards, tmp_path / f"seg{seg}", world, writers, "--before", "12",
-                       "--after", "8", "--save", f"{save}-{{rank}}.pt", *(["--resume", ckpt] if ckpt else []))  # fmt: skip
+                       "--after", "8", "--save", f"{save}-{{rank}}.pt", *resume)  # fmt: skip
         parts = [Path(f"{save}-{r}.pt") for r in range(world)]
         assert all(p.exists() for p in parts), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += [row for r in range(world) for row in _read(tmp_path / f"seg{seg}-r{r}.before")]
