@@ -18,8 +18,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from elastic_job import PASSES, all_ids, write_shards
+
+pytestmark = pytest.mark.timeout(600)
 
 JOB = Path(__file__).with_name("elastic_job.py")
 _SEGMENT_S = 300
@@ -74,7 +77,7 @@ def test_a_checkpoint_resumes_on_other_world_sizes_and_writer_counts_exactly(red
         _merge(parts, Path(ckpt))
     (tmp_path / "counted").write_text("".join(f"{i} {ps}\n" for i, ps in counted))
     log = _segment(redis_url, queue, shards, tmp_path / "last", 1, 2, "--resume", ckpt, "--before", "0",
-                   "--counted", str(tmp_path / "counted"), "--drain-past", "512")  # fmt: skip
+                   "--counted", str(tmp_path / "counted"), "--drain-past", "512", "--max-seconds", "90")  # fmt: skip
     assert "Traceback" not in log, log
     counted += _read(tmp_path / "last-r0.before")
     everything = all_ids(str(shards))
