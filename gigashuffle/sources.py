@@ -142,33 +142,23 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
         return _stateful_source(self.source).state_dict()
 
     def load_state_dict(self, state: Any) -> None:
-        """Hand ``state`` to the source; the next ``iter(self)`` reads on from there. A source with an epoch (a
-        Hugging Face ``IterableDataset``) is first set to the epoch its state names: it does not restore it itself."""
-        source = _stateful_source(self.source)
-        epoch = state.get("epoch") if isinstance(state, dict) else None
-        if _has_epoch(source) and isinstance(epoch, int) and not isinstance(epoch, bool):
-            source.set_epoch(epoch)
-        source.load_state_dict(state)
+        """Hand ``state`` to the source; the next ``iter(self)`` reads on from there."""
+        _stateful_source(self.source).load_state_dict(state)
 
     def __iter__(self) -> Iterator[Chunk]:
         samples: Iterable[Mapping[str, Any]] = self.source
         if self.transform is not None:
             samples = map(self.transform, samples)
         yield from chunks(samples, self.rows, self.fields)
-        _next_epoch(self.source)
+        _forget_loaded_state(self.source)
 
 
-def _next_epoch(source: Any) -> None:
-    """A pass ended: move a source with an ``epoch`` and ``set_epoch`` (a Hugging Face ``IterableDataset``) to the
-    next one. Such a source puts the epoch in its state and starts every ``iter()`` of the epoch it was loaded in
-    from the loaded position, so without this every pass after a resume would start there again."""
-    if _has_epoch(source):
-        source.set_epoch(source.epoch + 1)
-
-
-def _has_epoch(source: Any) -> bool:
-    epoch = getattr(source, "epoch", None)
-    return callable(getattr(source, "set_epoch", None)) and isinstance(epoch, int) and not isinstance(epoch, bool)
+def _forget_loaded_state(source: Any) -> None:
+    """A pass ended: a Hugging Face ``IterableDataset`` starts every ``iter()`` of its epoch from the state it was
+    last loaded with (its private ``_starting_state_dict``), so every pass after a resume would start at the
+    resumed position again; the next pass must start at the start. Without that attribute, nothing to do."""
+    if getattr(source, "_starting_state_dict", None) is not None:
+        source._starting_state_dict = None
 
 
 def _stateful_source(source: Any) -> Any:
