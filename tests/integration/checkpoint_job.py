@@ -5,7 +5,6 @@ segment builds the loader, loads ``--resume`` right after construction (as READM
 ``--before`` batches writing each row's id and pass to ``<out>.before``, takes ``loader.state_dict()`` into
 ``--save`` (torch.save), reads ``--after`` more batches (``<out>.after``, not counted: the job "crashes" before
 its next checkpoint) and SIGKILLs itself. With ``--kill-writer-at N`` it SIGKILLs writer 0 after N batches.
-``--source hf``: the Hugging Face recipe (``sources.Chunked`` over a ``datasets`` IterableDataset) over the same ids.
 ``--before 0 --counted F --drain-past P``: the last segment, reading until every id of pass 0 not in ``F`` (what
 the earlier segments counted) came, then ``P`` rows more (a repeat would show), within ``--max-seconds``; everything
 it reads counts. (Its writers may be served unevenly, so a fixed number of rows would not do.)
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,20 +52,6 @@ class FiniteIds(IterableDataset):  # type: ignore[type-arg]
         self.passes, self.pos = self.passes + 1, 0
 
 
-def hf_ids(ids: int, chunk: int) -> IterableDataset:  # type: ignore[type-arg]
-    """The Hugging Face recipe over the same ids: ``sources.Chunked`` over an in-memory ``datasets`` dataset as an
-    ``IterableDataset`` of 8 shards (split over the writers by ``get_worker_info()``); ``pass`` is its epoch."""
-    here = Path(__file__).resolve().parent  # its datasets.py (the tests' helpers) would shadow Hugging Face's
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    import datasets
-
-    from gigashuffle.sources import Chunked
-
-    rows = [w * STRIDE + i for w in range(2) for i in range(ids)]
-    source = datasets.Dataset.from_dict({"id": rows}).to_iterable_dataset(num_shards=8).with_format("torch")
-    return Chunked(source, rows=chunk, transform=lambda s: {"id": s["id"], "pass": source.epoch})
-
-
 def _record(batch: list[dict[str, torch.Tensor]]) -> list[tuple[int, int]]:
     group = batch[0]
     return list(zip(group["id"].tolist(), group["pass"].tolist(), strict=True))
@@ -90,13 +74,11 @@ def main() -> None:
     p.add_argument("--bs", type=int, default=16)
     p.add_argument("--shuffle-size", type=int, default=256)
     p.add_argument("--max-seconds", type=float, default=240.0)
-    p.add_argument("--source", choices=["ids", "hf"], default="ids")
     args = p.parse_args()
     cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=2,
                            num_readers=2, redis_url=args.redis_url, max_restarts=3)  # fmt: skip
     deadline = time.monotonic() + args.max_seconds
-    dataset = FiniteIds(args.ids, args.chunk) if args.source == "ids" else hf_ids(args.ids, args.chunk)
-    loader = MultiprocessShuffledDataloader(dataset, cfg)
+    loader = MultiprocessShuffledDataloader(FiniteIds(args.ids, args.chunk), cfg)
     if args.resume:
         loader.load_state_dict(torch.load(args.resume, weights_only=False))
     it = iter(loader)
