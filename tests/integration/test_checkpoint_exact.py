@@ -16,7 +16,6 @@ import sys
 import uuid
 from pathlib import Path
 
-
 JOB = Path(__file__).with_name("checkpoint_job.py")
 IDS, STRIDE, SHUFFLE = 1000, 10**6, 256
 _SEGMENT_S = 240
