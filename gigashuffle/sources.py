@@ -1,7 +1,9 @@
 """Per-sample sources (Hugging Face ``datasets``, webdataset, any iterable of dicts) as gigashuffle datasets.
 
 A gigashuffle dataset yields chunks, ``list[dict[str, Tensor]]``; most sources yield one sample (a dict) at a time.
-:class:`Chunked` groups their samples into chunks of ``rows`` rows, stacking each field.
+:class:`Chunked` groups their samples into chunks of ``rows`` rows, stacking each field. :class:`Sharded` (from
+gigashuffle/shards.py) reads a list of shard files in chunks, with checkpoints that resume on another world size or
+``num_writers``.
 
 NOTE [ Splitting a source ]
 Writers see a job-wide ``torch.utils.data.get_worker_info()`` (``id`` over every writer of every rank), and both
@@ -23,6 +25,9 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gigashuffle.errors import CheckpointError
+from gigashuffle.shards import NpyReader, ParquetReader, PtReader, Sharded
+
+__all__ = ["Chunk", "Chunked", "NpyReader", "ParquetReader", "PtReader", "Sharded", "chunks", "reshard_of"]
 
 Chunk = list[dict[str, torch.Tensor]]
 
@@ -144,7 +149,16 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
         samples: Iterable[Mapping[str, Any]] = self.source
         if self.transform is not None:
             samples = map(self.transform, samples)
-        return chunks(samples, self.rows, self.fields)
+        yield from chunks(samples, self.rows, self.fields)
+        _forget_loaded_state(self.source)
+
+
+def _forget_loaded_state(source: Any) -> None:
+    """A pass ended: a Hugging Face ``IterableDataset`` starts every ``iter()`` of its epoch from the state it was
+    last loaded with (its private ``_starting_state_dict``), so every pass after a resume would start at the
+    resumed position again; the next pass must start at the start. Without that attribute, nothing to do."""
+    if getattr(source, "_starting_state_dict", None) is not None:
+        source._starting_state_dict = None
 
 
 def _stateful_source(source: Any) -> Any:
@@ -176,3 +190,12 @@ def missing_state_methods(dataset: Any) -> str | None:
         "ints, strings, lists and dicts of them) and load_state_dict(state) (after which iter(dataset) reads on "
         "from that position)"
     )
+
+
+def reshard_of(dataset: Any) -> Callable[..., list[Any]] | None:
+    """The dataset's ``reshard_states`` (NOTE [ Elastic resume ] in trainer/elastic.py), a :class:`Chunked`'s taken
+    from its source (a chunk's rows are the source's samples, so a skip of rows is a skip of samples); None if it
+    has none."""
+    owner = dataset.source if isinstance(dataset, Chunked) else dataset
+    reshard = getattr(owner, "reshard_states", None)
+    return reshard if callable(reshard) else None

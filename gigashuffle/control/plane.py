@@ -221,5 +221,11 @@ class ControlPlane:
         keys = [k.rank(rank), *(k.rank(r) for r in other_ranks), k.gen, k.conf, *self._session_keys()]
         return bool(self._run(self._release, keys, [token, len(other_ranks)]))
 
+    def claim_of(self, rank: int) -> str | None:
+        """The token holding ``rank``'s claim, or None."""
+        with translate_errors(self._where):
+            value = self.client.get(self.keys.rank(rank))
+        return None if value is None else text(value)
+
     def drop_stale_claim(self, rank: int, holder: str) -> bool:
         return bool(self._run(self._drop_stale, [self.keys.rank(rank)], [holder]))

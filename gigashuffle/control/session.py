@@ -5,7 +5,8 @@ Each trainer claims ``rank:<global_rank>`` with a token and a TTL that a heartbe
 trainer of a node to claim while no other rank of the node holds a claim starts a new session: it wipes what
 a dead earlier session left in Redis and sets a fresh random generation, which every child then quotes. A claim
 held by a live trainer is refused (``QueueInUseError``); one whose holder is a dead process on this host is
-dropped at once, so a restarted job does not wait for the TTL. The last trainer to leave deletes every key.
+dropped at once, so a restarted job does not wait for the TTL, and so are dead holders' claims of the node's other
+ranks (else the first restarted rank would join the dead session). The last trainer to leave deletes every key.
 
 A session is bound to the server's identity: the generation starts with the ``run_id`` of the server that
 created it. JOIN starts a new session when the stored generation names another server (one restored from a
@@ -99,6 +100,13 @@ class NodeSession:
     def _join(self) -> None:
         cfg = self.config
         self.server_id = self.store.server_id()
+        # A dead trainer's claim on another rank of this node would make this one join the dead session (its
+        # buffer's metadata names attach sockets of dead processes): drop those first, as this rank's own below.
+        for rank in self.other_ranks:
+            holder = self.store.claim_of(rank)
+            if holder is not None and self._holder_is_dead(holder):
+                log.info("dropping the claim of dead trainer %s of rank %d on %s", holder, rank, cfg.queue_name)
+                self.store.drop_stale_claim(rank, holder)
         for _attempt in range(2):
             result = self.store.join(
                 cfg.global_rank, self.other_ranks, self.token, LEASE_MS, shared_conf(cfg),

@@ -2,8 +2,11 @@
 
 Each writer holds its own copy of the dataset, so a checkpoint of a rank is the list of its writers' states in
 writer order, plus for each how many rows after that state were already written (``skip``: a writer that was
-respawned, or that has not yet re-read what it must not repeat: NOTE [ Respawned writers ] in procs/writer.py). It
-is only valid for a loader with the same rank layout (world size, rank, ``num_writers``).
+respawned, or that has not yet re-read what it must not repeat: NOTE [ Respawned writers ] in procs/writer.py), the
+queue's name, and the rows read and not delivered with their count and CRC-32 (a truncated or tampered part is
+refused). A loader of another rank layout (world size, ``num_writers``) re-splits the states of every rank if the
+dataset offers ``reshard_states`` (NOTE [ Elastic resume ] in trainer/elastic.py). Every check runs in the training
+process before any writer is sent a state: a refused checkpoint loads nothing.
 
 The state is keyed by rank, ``{"rank<global_rank>": {...}}``, so the dicts of all ranks merge with ``dict.update``
 into one (what ``torch.distributed.checkpoint`` and frameworks that save from rank 0 need) and each rank's
@@ -12,6 +15,8 @@ into one (what ``torch.distributed.checkpoint`` and frameworks that save from ra
 
 from __future__ import annotations
 
+import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -20,12 +25,16 @@ import torch
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import LoadState
-from gigashuffle.trainer import cut
+from gigashuffle.schema import Layout
+from gigashuffle.sources import reshard_of
+from gigashuffle.trainer import cut, elastic
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.unconsumed import with_unconsumed
 
 # How long state_dict() waits for every writer's answer, a dead writer's respawn included.
 REPLY_TIMEOUT_S = 60.0
+# How long load_state_dict() waits for the buffer's layout (the writers' first chunk) to check the saved rows' layout.
+LAYOUT_TIMEOUT_S = 300.0
 
 
 def rank_key(global_rank: int) -> str:
@@ -50,28 +59,44 @@ def collect(
         rows = with_unconsumed(rows, extra)
     return {
         rank_key(config.global_rank): {
+            "queue": config.queue_name,
             "global_rank": config.global_rank,
             "global_world_size": config.global_world_size,
             "num_writers": config.num_writers,
             "writers": [a.state for a in answers],
             "skip": [a.skip for a in answers],
-            "rows": rows,
+            "rows": {**rows, "count": int(rows["fields"][0].shape[0]), "crc32": rows_crc(rows["fields"])}
+            if rows
+            else {},
         }
     }
 
 
-def own_part(config: DataloaderConfig, state: dict[str, Any]) -> dict[str, Any]:
-    """This rank's part of a (merged) checkpoint, checked against this loader's rank layout."""
+def rows_crc(fields: list[torch.Tensor]) -> int:
+    """CRC-32 of the saved rows' bytes, field after field."""
+    crc = 0
+    for field in fields:
+        crc = zlib.crc32(field.contiguous().numpy(), crc)  # the buffer itself: no copy of the rows
+    return crc
+
+
+def own_part(config: DataloaderConfig, state: dict[str, Any], dataset: Any = None) -> dict[str, Any]:
+    """This rank's part of a (merged) checkpoint, checked; re-split from every rank's part when the checkpoint is
+    of another world size or ``num_writers`` (NOTE [ Elastic resume ])."""
     if not isinstance(state, dict):
         raise CheckpointError(f"load_state_dict: expected the dict state_dict() returned, got {type(state).__name__}")
     key = rank_key(config.global_rank)
+    old = elastic.old_layout(state)
+    if old is not None and old != (config.global_world_size, config.num_writers):
+        return elastic.reshard(
+            config, dataset, state, old, lambda k, part, n: _checked(config, k, part, n), reshard_of(dataset)
+        )
     if key not in state:
         ranks = sorted(k for k in state if isinstance(k, str) and k.startswith("rank"))
         raise CheckpointError(
             f"load_state_dict: the checkpoint has no entry {key!r} for this loader (global rank "
             f"{config.global_rank} of {config.global_world_size}); it has {ranks or list(state)[:8]}. Save the "
-            "state of every rank (merge their state_dict()s, or use gathered_state_dict()) and resume with the "
-            "same world size"
+            "state of every rank (merge their state_dict()s, or use gathered_state_dict())"
         )
     mine = state[key]
     expected = {"global_world_size": config.global_world_size, "num_writers": config.num_writers,
@@ -80,40 +105,73 @@ def own_part(config: DataloaderConfig, state: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(mine, dict) or mine.get(name) != value:
             got = mine.get(name) if isinstance(mine, dict) else mine
             raise CheckpointError(
-                f"load_state_dict: the checkpoint has {name}={got!r} but this loader has {value!r}; resume with "
-                "the same world size and num_writers (a dataset's state cannot be re-split over another layout)"
+                f"load_state_dict: the checkpoint's {key!r} has {name}={got!r} but this loader has {value!r}; "
+                "the parts of the checkpoint disagree on the job's layout: it is damaged"
             )
-    writers = mine.get("writers")
-    skip = mine.get("skip", [0] * config.num_writers)
-    if not isinstance(writers, list) or len(writers) != config.num_writers:
-        raise CheckpointError(f"load_state_dict: {key}['writers'] must list {config.num_writers} dataset states")
+    return _checked(config, key, mine, config.num_writers)
+
+
+def _checked(config: DataloaderConfig, key: str, part: Any, num_writers: int) -> dict[str, Any]:
+    """One rank's part (``key``) of a job of ``num_writers`` writers per rank: its queue, writers, skips, rows."""
+    if not isinstance(part, dict):
+        raise CheckpointError(f"load_state_dict: {key} must be the dict state_dict() saved, got {type(part).__name__}")
+    if part.get("queue") != config.queue_name:
+        raise CheckpointError(
+            f"load_state_dict: {key} is a checkpoint of queue {part.get('queue')!r} but this loader's queue is "
+            f"{config.queue_name!r}; load the checkpoint that this queue saved (or name the queue as it was)"
+        )
+    writers = part.get("writers")
+    skip = part.get("skip", [0] * num_writers)
+    if not isinstance(writers, list) or len(writers) != num_writers:
+        raise CheckpointError(f"load_state_dict: {key}['writers'] must list {num_writers} dataset states")
     if (
         not isinstance(skip, list)
-        or len(skip) != config.num_writers
+        or len(skip) != num_writers
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in skip)
     ):
-        raise CheckpointError(f"load_state_dict: {key}['skip'] must list {config.num_writers} ints >= 0, got {skip!r}")
-    rows = mine.get("rows") or {}
+        raise CheckpointError(f"load_state_dict: {key}['skip'] must list {num_writers} ints >= 0, got {skip!r}")
+    rows = part.get("rows") or {}
     if rows:
-        fields = rows.get("fields") if isinstance(rows, dict) else None
-        if (
-            not isinstance(rows.get("layout"), str)
-            or not isinstance(fields, list)
-            or not all(isinstance(f, torch.Tensor) and f.dtype == torch.uint8 and f.dim() == 2 for f in fields)
-            or len({int(f.shape[0]) for f in fields}) > 1
-        ):
-            raise CheckpointError(
-                f"load_state_dict: {key}['rows'] must be {{'layout': str, 'fields': [uint8 tensor [n, row_bytes] per "
-                "field, all with the same n]}} as state_dict() saved it; the checkpoint is damaged"
-            )
+        _check_rows(key, rows)
     return {"writers": writers, "skip": skip, "rows": rows}
 
 
+def _check_rows(key: str, rows: Any) -> None:
+    fields = rows.get("fields") if isinstance(rows, dict) else None
+    if (
+        not isinstance(rows.get("layout"), str)
+        or not isinstance(fields, list)
+        or not fields
+        or not all(isinstance(f, torch.Tensor) and f.dtype == torch.uint8 and f.dim() == 2 for f in fields)
+        or len({int(f.shape[0]) for f in fields}) > 1
+    ):
+        raise CheckpointError(
+            f"load_state_dict: {key}['rows'] must be {{'layout': str, 'fields': [uint8 tensor [n, row_bytes] per "
+            "field, all with the same n], 'count': n, 'crc32': int}} as state_dict() saved it; the checkpoint is "
+            "damaged"
+        )
+    n = int(fields[0].shape[0])
+    if rows.get("count") != n:
+        raise CheckpointError(
+            f"load_state_dict: {key}['rows'] holds {n} rows but the checkpoint saved {rows.get('count')!r}: it is "
+            "truncated or damaged; load an intact copy"
+        )
+    crc = rows_crc(fields)
+    if rows.get("crc32") != crc:
+        raise CheckpointError(
+            f"load_state_dict: {key}['rows'] does not match its checksum (crc32 {crc} != saved "
+            f"{rows.get('crc32')!r}): the saved rows were altered or damaged; load an intact copy"
+        )
+
+
 def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) -> None:
-    """Check ``state`` against this rank's layout, then send each writer its own state; a writer started later
-    (a respawn) gets it in its spec."""
-    mine = own_part(config, state)
+    """Check ``state`` against this rank's layout (re-split if it is another one) and the saved rows against the
+    buffer's row layout, then send each writer its own state; a writer started later (a respawn) gets it in its
+    spec. Nothing is sent before every check has passed."""
+    mine = own_part(config, state, sup.dataset)
     rows = mine["rows"]
+    if rows:
+        _check_layout(sup, config, rows["layout"])
     restored: tuple[str, tuple[Any, ...]] = (rows["layout"], tuple(rows["fields"])) if rows else ("", ())
     serials = sup.load_states(mine["writers"], mine["skip"], restored)
     for child in sup.writers():
@@ -123,3 +181,35 @@ def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) ->
             child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved))
         except OSError:
             continue  # it is dying: its successor starts from the state in its spec
+
+
+def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -> None:
+    """The saved rows must fit this queue's buffer: wait for its layout (the writers' first chunk), compare."""
+    try:
+        saved = Layout.from_json(layout_json)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"load_state_dict: the saved rows' layout {layout_json[:200]!r} is damaged: {exc}"
+        ) from exc
+    deadline = time.monotonic() + LAYOUT_TIMEOUT_S
+    while sup.table() is None:
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"load_state_dict: queue {config.queue_name!r} has no buffer after {LAYOUT_TIMEOUT_S:.0f} s (no "
+                "writer produced its first chunk), so the saved rows cannot be checked against it; see the log"
+            )
+        sup.pump()
+    buffer = sup.node_table.rows().layout
+    if buffer == saved:
+        return
+    mine = {f.label: f.describe() for f in buffer.fields}
+    theirs = {f.label: f.describe() for f in saved.fields}
+    differ = [
+        f"{label}: checkpoint {theirs.get(label, 'absent')}, dataset {mine.get(label, 'absent')}"
+        for label in sorted({*mine, *theirs})
+        if mine.get(label) != theirs.get(label)
+    ] or [f"field order: checkpoint [{saved.describe()}], dataset [{buffer.describe()}]"]
+    raise CheckpointError(
+        f"load_state_dict: the checkpoint's saved rows do not fit the rows this dataset yields ({'; '.join(differ)}); "
+        "resume with the dataset (fields, dtypes, row shapes) that wrote the checkpoint"
+    )

@@ -5,7 +5,7 @@ or dcp), checkpoint at step ``SAVE_AT`` through the framework, then every rank w
 (the rows its model trained on in steps 1..SAVE_AT) and SIGKILLs itself at the next step (after a barrier, so
 the checkpoint is complete): a kill, not an exit. Rows delivered after the checkpoint (a framework that fetches
 a batch ahead, the step the kill ends) are lost with the job and must come back after the resume.
-``--phase resume``: a new job (another queue) resumes from that checkpoint through the framework and trains
+``--phase resume``: a new job (of the same queue) resumes from that checkpoint through the framework and trains
 ``RESUME_STEPS`` more steps; each rank writes ``--dir/resume-<rank>.json``, every row its model trained on.
 
 The dataset is finite per pass: ``IDS`` unique ids per writer (``id = wid * STRIDE + i``, ``wid`` the writer's

@@ -40,7 +40,8 @@ def test_a_checkpoint_loaded_after_the_dummy_batch_is_the_first_thing_read(redis
         assert loader.get_dummy_batch(timeout_s=120)[0]["counter"].shape == (4,)
         time.sleep(0.5)  # what a model load would take: the writers must still hold
         assert loader.stats() == ShuffleBufferStats(full=0, empty=64, in_flight=0)
-        start = {"global_rank": 0, "global_world_size": 1, "num_writers": 2, "writers": [{"pos": 1000}] * 2}
+        start = {"queue": cfg.queue_name, "global_rank": 0, "global_world_size": 1, "num_writers": 2,
+                 "writers": [{"pos": 1000}] * 2}  # fmt: skip
         loader.load_state_dict({"rank0": start})
         rows = _counters(take(iter(loader), 30))
     assert min(c for _w, c in rows) >= 1000, "rows from before the loaded state were read"
@@ -103,7 +104,7 @@ def test_a_chunked_source_without_state_gets_a_clear_error(redis_url: str) -> No
 def test_a_checkpoint_of_another_rank_or_a_damaged_one_is_refused() -> None:
     cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name="parts", num_writers=1, global_rank=1,
                            global_world_size=2, local_rank=0, local_world_size=1)  # fmt: skip
-    mine = {"global_rank": 1, "global_world_size": 2, "num_writers": 1, "writers": [{}], "skip": [0]}
+    mine = {"queue": "parts", "global_rank": 1, "global_world_size": 2, "num_writers": 1, "writers": [{}], "skip": [0]}
     assert own_part(cfg, {"rank0": {}, "rank1": mine})["writers"] == [{}]
     with pytest.raises(CheckpointError, match=r"no entry 'rank1' .*global rank 1 of 2.*\['rank0'\]"):
         own_part(cfg, {"rank0": mine})
@@ -126,9 +127,7 @@ def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_
         wait_for(lambda: loader.stats().empty == 0, "the buffer to fill up while nobody reads")
         state = loader.state_dict()
     assert state["rank0"]["skip"][0] > 0, "the writer was inside a chunk: its state is from before it"
-    with MultiprocessShuffledDataloader(
-        FiniteIds(ids, 200), _config(redis_url, "midchunk2", bs=4, shuffle_size=64)
-    ) as again:
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 200), cfg) as again:  # the same queue: its checkpoint
         again.load_state_dict(state)
         it = iter(again)
         after: list[tuple[int, int]] = []

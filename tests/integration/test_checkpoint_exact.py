@@ -21,9 +21,10 @@ IDS, STRIDE, SHUFFLE = 1000, 10**6, 256
 _SEGMENT_S = 240
 
 
-def _segment(redis_url: str, out: Path, *args: str) -> str:
+def _segment(redis_url: str, queue: str, out: Path, *args: str) -> str:
+    """One segment; every segment of a scenario uses one queue (a checkpoint of another queue is refused)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
-    cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", f"ckpt-{uuid.uuid4().hex[:8]}",
+    cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", queue,
            "--out", str(out), "--ids", str(IDS), "--shuffle-size", str(SHUFFLE), *args]  # fmt: skip
     done = subprocess.run(cmd, env=env, timeout=_SEGMENT_S, check=False, capture_output=True, text=True)
     return done.stderr[-3000:]
@@ -38,17 +39,18 @@ def _read(path: Path) -> list[tuple[int, int]]:
 def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1) -> tuple[int, int, int]:
     """(lost, twice, counted) over the ids of pass 0."""
     ckpt = ""
+    queue = f"ckpt-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
     for seg in range(3):
         save = tmp / f"ckpt{seg}.pt"
         kill = ["--kill-writer-at", "15"] if seg == kill_writer_in else []
-        log = _segment(redis_url, tmp / f"seg{seg}", "--before", "30", "--after", "12", "--save", str(save),
+        log = _segment(redis_url, queue, tmp / f"seg{seg}", "--before", "30", "--after", "12", "--save", str(save),
                  *(["--resume", ckpt] if ckpt else []), *kill)  # fmt: skip
         assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _read(tmp / f"seg{seg}.before")
         ckpt = str(save)
     (tmp / "counted").write_text(" ".join(str(i) for i, ps in counted if ps == 0))
-    log = _segment(redis_url, tmp / "last", "--resume", ckpt, "--before", "0", "--counted", str(tmp / "counted"),
+    log = _segment(redis_url, queue, tmp / "last", "--resume", ckpt, "--before", "0", "--counted", str(tmp / "counted"),
                    "--drain-past", str(4 * SHUFFLE))  # fmt: skip
     counted += _read(tmp / "last.before")
     assert "Traceback" not in log, log

@@ -31,11 +31,13 @@ IDS, STRIDE = 24, 10**6  # as framework_job.py: each rank a node of its own (exa
 DEADLINE_S = startup_deadline(240.0, startups=40)
 
 
-def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    tmp_path: Path, framework: str, phase: str, redis_url: str, queue: str
+) -> subprocess.CompletedProcess[str]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(JOB),
         "--framework", framework, "--phase", phase, "--dir", str(tmp_path), "--redis-url", redis_url,
-        "--queue", _queue(tmp_path, framework),
+        "--queue", queue,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(JOB.parent), str(JOB.parent.parent)]),
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}  # fmt: skip
@@ -50,14 +52,6 @@ def _torchrun(tmp_path: Path, framework: str, phase: str, redis_url: str) -> sub
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
-def _queue(tmp_path: Path, framework: str) -> str:
-    """One queue for both phases of a test (a checkpoint names its queue; a loader of another one refuses it)."""
-    path = tmp_path / "queue"
-    if not path.exists():
-        path.write_text(f"{framework}-{uuid.uuid4().hex[:8]}")
-    return path.read_text()
-
-
 def _rows(tmp_path: Path, phase: str) -> list[tuple[int, int]]:
     rows: list[tuple[int, int]] = []
     for rank in range(WORLD):
@@ -70,10 +64,11 @@ def _rows(tmp_path: Path, phase: str) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("framework", ["lightning", "transformers", "accelerate", "dcp"])
 def test_checkpoint_kill_and_resume_train_on_every_id_once(tmp_path: Path, redis_url: str, framework: str) -> None:
     pytest.importorskip({"dcp": "torch", "lightning": "lightning"}.get(framework, framework))
-    saved = _torchrun(tmp_path, framework, "save", redis_url)
+    queue = f"{framework}-{uuid.uuid4().hex[:8]}"  # the resumed job is of the same queue: a checkpoint names it
+    saved = _torchrun(tmp_path, framework, "save", redis_url, queue)
     assert saved.returncode != 0, "the save phase must end killed:\n" + saved.stdout[-4000:]
     assert "Signal 9" in saved.stdout or "SIGKILL" in saved.stdout, saved.stdout[-4000:]
-    resumed = _torchrun(tmp_path, framework, "resume", redis_url)
+    resumed = _torchrun(tmp_path, framework, "resume", redis_url, queue)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     before, after = _rows(tmp_path, "save"), _rows(tmp_path, "resume")
     trained = collections.Counter(i for i, p in before + after if p == 0)  # pass 0 (pass 1 follows it)

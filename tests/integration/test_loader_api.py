@@ -163,7 +163,7 @@ def test_state_dict_needs_a_stateful_dataset(redis_url: str) -> None:
             loader.state_dict()
         with pytest.raises(CheckpointError, match="load_state_dict: the dataset UniqueIds"):
             loader.load_state_dict({"rank0": {"global_rank": 0, "global_world_size": 1, "num_writers": 1,
-                                              "writers": [{}]}})  # fmt: skip
+                                              "writers": [{}], "queue": loader.config.queue_name}})  # fmt: skip
         check_unique_batch(take(iter(loader), 1)[0], 4, 64)
 
 

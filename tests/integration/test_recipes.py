@@ -209,8 +209,8 @@ def test_a_writer_reserves_its_next_chunk_while_its_source_waits_and_gives_the_s
         wait_for(lambda: loader.stats() == ShuffleBufferStats(full=12, empty=48, in_flight=4),
                  "3 chunks published and 4 slots reserved for the 4th")  # fmt: skip
         # The writer is parked in the source, so it cannot answer state_dict(): the state is built by hand.
-        loader.load_state_dict({"rank0": {"global_world_size": 1, "num_writers": 1, "global_rank": 0,
-                                          "writers": [{"resumed": 1}]}})  # fmt: skip
+        loader.load_state_dict({"rank0": {"queue": cfg.queue_name, "global_world_size": 1, "num_writers": 1,
+                                          "global_rank": 0, "writers": [{"resumed": 1}]}})  # fmt: skip
         allowed.write_text("4")  # the 4th chunk goes into the reservation; then its share is empty
         wait_for(lambda: loader.stats() == ShuffleBufferStats(full=16, empty=48, in_flight=0),
                  "the 4th chunk published and the next reservation given back")  # fmt: skip

@@ -72,7 +72,8 @@ def main() -> None:
     resumed, fresh = [], []
     for _ in range(args.rounds):
         fresh.append(_first_batch_s(config(), None))
-        with MultiprocessShuffledDataloader(TinyCounter(1024), config()) as loader:
+        cfg = config()  # the resumed loader is of the same queue: a checkpoint of another one is refused
+        with MultiprocessShuffledDataloader(TinyCounter(1024), cfg) as loader:
             it = iter(loader)
             for _b in range(args.batches):
                 next(it)
@@ -89,7 +90,7 @@ def main() -> None:
             rows["size_mb"].append(blob.tell() / 2**20)
             next(it)  # training goes on after the cut
         blob.seek(0)
-        resumed.append(_first_batch_s(config(), torch.load(blob, weights_only=False)))
+        resumed.append(_first_batch_s(cfg, torch.load(blob, weights_only=False)))
     print(
         f"shuffle_size {args.shuffle_size}, bs {args.bs}, 2 writers + 2 readers, tiny rows (16 B), {args.rounds} rounds"
     )
