@@ -76,7 +76,7 @@ def rows_crc(fields: list[torch.Tensor]) -> int:
     """CRC-32 of the saved rows' bytes, field after field."""
     crc = 0
     for field in fields:
-        crc = zlib.crc32(memoryview(field.contiguous().numpy()), crc)  # the buffer itself: no copy of the rows
+        crc = zlib.crc32(field.contiguous().numpy().data, crc)  # the buffer itself: no copy of the rows
     return crc
 
 
