@@ -30,6 +30,7 @@ Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffl
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -37,31 +38,42 @@ import numpy as np
 import torch
 
 from gigashuffle.config import DataloaderConfig
+from gigashuffle.control import cutbarrier
+from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.trainer.supervisor import Supervisor
 
+log = logging.getLogger(__name__)
 _requests = itertools.count(1)
 _POLL_S = 0.02
 
 
 def exact(config: DataloaderConfig) -> bool:
-    """Whether this rank's checkpoints save the buffer's rows (NOTE [ Checkpoint cut ])."""
-    return config.local_world_size == 1 and not config.fill_once and config.evict_on_read
+    """Whether checkpoints save the buffer's rows (NOTE [ Checkpoint cut ]): not in the modes that read a row more
+    than once or a buffer once."""
+    return not config.fill_once and config.evict_on_read
 
 
 def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[list[DatasetState], dict[str, Any]]:
-    """Pause this rank's writers and readers, read their states and the undelivered rows, resume them."""
+    """Pause this rank's writers and readers (and, through the node barrier, wait for the node's other ranks to
+    pause theirs), read the states and the undelivered rows, resume them."""
     started = time.monotonic()
     deadline = started + timeout_s
     pause = exact(config)
+    if not pause:
+        _warn_inexact(config)
+    sup.cuts += 1
+    barrier = _barrier(sup, config) if pause else None
     sup.cutting = pause
     try:
         answers = _writer_states(sup, config, deadline, pause)
         rows: dict[str, Any] = {}
         if pause:
             _pause_readers(sup, config, deadline)
-            rows = _saved_rows(sup, answers)
+            _wait(sup, barrier, cutbarrier.PAUSED, deadline)
+            rows = _saved_rows(sup, answers, copy_buffer=config.local_rank == 0)
+            _wait(sup, barrier, cutbarrier.COPIED, deadline)
         return answers, rows
     finally:
         sup.cutting = False
@@ -75,6 +87,40 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
         sup.last_cut_s = time.monotonic() - started
+
+
+def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
+    """The node barrier, or None for a node of one rank (nothing to wait for)."""
+    if config.local_world_size == 1:
+        return None
+    session = sup.session
+    return NodeBarrier(session.store, config.queue_name, config.global_rank, config.local_rank,
+                       config.local_world_size, session.token)  # fmt: skip
+
+
+def _wait(sup: Supervisor, barrier: NodeBarrier | None, phase: int, deadline: float) -> None:
+    if barrier is not None:
+        deadline = min(deadline, time.monotonic() + cutbarrier.WAIT_S)
+        barrier.wait(sup.cuts, phase, deadline, sup.pump, time.monotonic)
+
+
+_warned: set[str] = set()
+
+
+def _warn_inexact(config: DataloaderConfig) -> None:
+    """Say once per queue what a checkpoint of a mode that reads a row more than once does not bring back."""
+    if config.queue_name in _warned:
+        return
+    _warned.add(config.queue_name)
+    mode = "fill_once=True" if config.fill_once else "evict_on_read=False"
+    log.warning(
+        "queue %r: with %s a checkpoint saves only the datasets' positions, not the rows in the buffer or the "
+        "rings (a row may be delivered more than once in this mode, so 'consumed' is not defined): a resume "
+        "refills the buffer from those positions, and up to shuffle_size rows read from the datasets before the "
+        "checkpoint are not seen again",
+        config.queue_name,
+        mode,
+    )
 
 
 def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool) -> list[DatasetState]:
@@ -128,10 +174,10 @@ def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -
         sup.pump(_POLL_S)
 
 
-def _saved_rows(sup: Supervisor, answers: list[DatasetState]) -> dict[str, Any]:
-    """The rows of every full slot of the buffer, of every batch announced and not handed out, and those of the
-    last checkpoint that a writer had not yet put back."""
-    table = sup.table()
+def _saved_rows(sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> dict[str, Any]:
+    """The rows of every full slot of the buffer (``copy_buffer``: one rank of a node copies it), of every batch
+    announced and not handed out, and those of the last checkpoint that a writer had not yet put back."""
+    table = sup.table() if copy_buffer else None
     parts: list[list[np.ndarray[Any, Any]]] = []
     layout_json = ""
     for answer in answers:

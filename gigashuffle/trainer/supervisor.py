@@ -140,6 +140,7 @@ class Supervisor:
         self.paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
         self.cutting = False  # a checkpoint's cut is on: children started now start paused
         self.last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
+        self.cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self.passes_ended: set[int] = set()  # fill_once passes whose reader sent PassEnd
         self.mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
