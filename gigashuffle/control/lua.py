@@ -1,4 +1,5 @@
-"""Lua scripts of the control plane: the node session, the buffer's metadata and the stats counters.
+"""Lua scripts of the control plane: the node session, the buffer's metadata, the stats counters and the node
+barrier of a checkpoint's cut (NOTE [ Node cut ] in control/cutbarrier.py).
 
 NOTE [ Control plane ]
 Slots are not here: their state lives in the slot table beside the buffer (NOTE [ Slot table ] in

@@ -1,9 +1,9 @@
 """A checkpoint's consistent cut: the datasets' states plus every row that was read from them and not delivered.
 
 NOTE [ Checkpoint cut ]
-``state_dict()`` must bring back, exactly once, every row its trainer has not been handed yet: rows full in the
-buffer, in a reader's ring, waiting in the trainer, in a writer's chunk not yet copied. It saves the rows
-themselves ("rows way"), so any stateful dataset works. The trainer:
+``state_dict()`` must bring back, exactly once, every row no trainer of the node has been handed yet: rows full
+in the buffer, in a reader's ring, waiting in a trainer, in a writer's chunk not yet copied. It saves the rows
+themselves ("rows way"), so any stateful dataset works. Every rank of the node calls it at the same step, and each:
   1. sends every writer ``StateRequest(pause=True)``: the writer publishes every row it copied, answers its
      dataset's state for exactly the rows not in the buffer (between chunks, ``state_dict()``; inside a chunk, the
      state before that chunk and ``skip`` = the rows of it already copied: NOTE [ Respawned writers ] in
@@ -12,19 +12,21 @@ themselves ("rows way"), so any stateful dataset works. The trainer:
   2. sends every reader ``Pause``: it gathers what it had drawn, announces those batches, answers ``Paused`` and
      draws nothing until ``Resume``. The channel keeps order, so the trainer has every announced batch once it
      has the ``Paused``. Writers go first so that readers keep draining the buffer while writers finish;
-  3. copies out the rows of every full slot (it maps the buffer for this, once) and of every announced batch not
-     yet handed to the caller, one ``uint8 [n, row_bytes]`` tensor per field;
-  4. sends ``Resume`` to all. Training goes on from the same buffer: the cut changes nothing it delivers.
-On ``load_state_dict`` writer 0 puts the saved rows back into the new buffer (published, not counted as its
-dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and skip. So every
-row not handed to the trainer before ``state_dict()`` comes back once, in a new random order, and none handed
-before it comes back. Batches handed out before the call count as consumed, whether or not the step that took
-them finished. Exact for one rank per node (``local_world_size == 1``) that evicts on read (the default): with
-several ranks on a node the other ranks' readers and writers would not be paused while this rank copied the buffer, so
-each rank saves only its writers' states (unpaused), and no undelivered row is saved
-(up to ``shuffle_size`` rows are skipped by a resume, as without this cut).
+  3. waits at the node barrier ``PAUSED`` until every local rank did 1 and 2 (NOTE [ Node cut ] in
+     control/cutbarrier.py; no barrier with one rank per node): from then on nothing moves in the node's buffer;
+  4. copies out the rows of every announced batch not yet handed to its caller and, on local rank 0 only, of
+     every full slot of the buffer (mapped for this, once): one ``uint8 [n, row_bytes]`` tensor per field;
+  5. waits at the barrier ``COPIED`` until every local rank copied, then sends ``Resume`` to all. Training goes
+     on from the same buffer: the cut changes nothing it delivers.
+On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
+counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
+skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
+handed before it comes back. Batches handed out before the call count as consumed, whether or not the step that
+took them finished. Not for ``fill_once`` or ``evict_on_read=False``, where a row may be delivered more than once:
+there each rank saves its writers' states (unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
-``shuffle_size`` 262,144 tiny rows the pause is 11-51 ms and the state 4 MB; at 1M, 63-116 ms and 10-12 MB.
+``shuffle_size`` 262,144 tiny rows the pause is 11-51 ms and the state 4 MB; at 1M, 63-116 ms and 10-12 MB. The
+node barrier adds two Redis round trips per rank when the ranks arrive together.
 """
 
 from __future__ import annotations
