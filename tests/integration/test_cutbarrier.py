@@ -94,3 +94,18 @@ def test_a_rank_that_never_calls_state_dict_fails_the_others_checkpoint(
         with pytest.raises(CheckpointError, match=r"global rank 1 \(local rank 1: never took part in a cut\)"):
             rank0.state_dict()
         assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+
+
+def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_leaves_out(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``evict_on_read=False``: no rows saved, no node barrier (rank 1 of the node never calls), one warning."""
+    queue = f"cbe-{uuid.uuid4().hex[:8]}"
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1, evict_on_read=False,
+                           local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(Counter(), cfg) as loader, caplog.at_level("WARNING"):
+        take(iter(loader), 2)
+        states = [loader.state_dict()["rank0"] for _ in range(2)]
+    assert [s["rows"] for s in states] == [{}, {}]
+    warned = [r.getMessage() for r in caplog.records if "saves only the datasets' positions" in r.getMessage()]
+    assert len(warned) == 1 and "evict_on_read=False" in warned[0], warned
