@@ -4,10 +4,11 @@ The dataset is checkpoint_job.py's ``FiniteIds`` (ids unique across the job's wr
 its own process; they meet in a gloo group (``--dist``, a ``tcp://`` address) only to merge the checkpoint
 (``gathered_state_dict()``, saved by rank 0) and, in the last segment, to agree on when every id came.
 
-A segment builds the loader, loads ``--resume`` right after construction, reads ``--before`` batches writing each
-row's id and pass to ``<out>.rank<r>.before``, takes ``loader.gathered_state_dict()`` (every rank at the same step)
-into ``--save``, reads ``--after`` more batches (not counted) and SIGKILLs itself. ``--kill-reader-at N`` SIGKILLs
-this rank's reader 0 after N batches. ``--before 0 --counted F --drain-past P``: the last segment, reading until
+A segment builds the loader, loads ``--resume`` right after construction, reads ``--before`` batches writing each row's
+id and pass to ``<out>.rank<r>.before``, takes ``loader.gathered_state_dict()`` (every rank at the same step) into
+``--save``, reads ``--after`` more batches (not counted) and SIGKILLs itself. ``--kill-reader-at N`` SIGKILLs this
+rank's reader 0 after N batches; ``--late-s S`` calls ``state_dict()`` S seconds after the other ranks (a slower step),
+its writers and readers running meanwhile. ``--before 0 --counted F --drain-past P``: the last segment, reading until
 every id of pass 0 not in ``F`` came to some rank, then ``P`` rows more across the job; everything it reads counts.
 
 It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
@@ -42,6 +43,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--drain-past", type=int, default=0)
     p.add_argument("--counted", default="")
     p.add_argument("--kill-reader-at", type=int, default=-1)
+    p.add_argument("--late-s", type=float, default=0.0, help="a slow step: call state_dict() this much later")
     p.add_argument("--ids", type=int, default=500)
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--bs", type=int, default=8)
@@ -95,6 +97,7 @@ def main() -> None:
                 before.write(f"{i} {ps}\n")
         before.flush()
         os.fsync(before.fileno())
+    time.sleep(args.late_s)  # a step slower than the other ranks': the node's other ranks wait at the barrier
     state = loader.gathered_state_dict()
     if args.rank == 0:
         torch.save(state, args.save + ".tmp")

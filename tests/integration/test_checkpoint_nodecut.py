@@ -3,6 +3,7 @@ process per rank (tests/integration/nodecut_job.py), one Redis.
 
 The scenario of test_checkpoint_exact.py for a job: a finite dataset of unique ids (1 writer and 1 reader per rank,
 ``IDS`` ids per writer per pass), every rank takes the checkpoint at the same step, reads on and is SIGKILLed;
+the last rank comes to each checkpoint 0.3 s after the others (its writers and readers running meanwhile);
 the next segment is a new job that loads the merged checkpoint right after building its loaders. The ids that
 every rank read before each checkpoint, plus all that the last segment read, must be every id of pass 0 exactly
 once. Kept small: the machine has two cores.
@@ -69,9 +70,11 @@ def run_scenario(
     for seg in range(3):
         for attempt in range(2 if seg == retry_segment else 1):
             save, out = tmp / f"ckpt{seg}.{attempt}.pt", tmp / f"seg{seg}.{attempt}"
-            kill = {world - 1: ["--kill-reader-at", "10"]} if seg == kill_reader_in else {}
+            # The last rank takes each checkpoint a little after the others (as a slower step would), its writers
+            # and readers running while the others wait; in one segment its reader 0 is killed.
+            late = {world - 1: ["--late-s", "0.3", *(["--kill-reader-at", "10"] if seg == kill_reader_in else [])]}
             log = _segment(redis_url, out, world, local_world, "--before", "24", "--after", "10", "--save", str(save),
-                           *(["--resume", ckpt] if ckpt else []), per_rank=kill)  # fmt: skip
+                           *(["--resume", ckpt] if ckpt else []), per_rank=late)  # fmt: skip
             assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _counted(out, world)
         ckpt = str(save)
