@@ -25,8 +25,9 @@ handed before it comes back. Batches handed out before the call count as consume
 took them finished. Not for ``fill_once`` or ``evict_on_read=False``, where a row may be delivered more than once:
 there each rank saves its writers' states (unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
-``shuffle_size`` 262,144 tiny rows the pause is 11-51 ms and the state 4 MB; at 1M, 63-116 ms and 10-12 MB. The
-node barrier adds two Redis round trips per rank when the ranks arrive together.
+``shuffle_size`` 1M tiny rows the pause is 8-15 ms (median 12 ms; ``benchmarks/cut_side_by_side.py``), but 88 ms for a
+loader's first checkpoint (it maps the buffer), and the state 10-11 MB for 650k-720k rows. With several ranks per
+node the two barriers add two Redis calls (~0.2 ms each) and the wait for the node's slowest rank.
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def _saved_rows(sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bo
     widths = (
         [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in arrays[0]]
     )
-    out = [torch.empty((total, width), dtype=torch.uint8) for width in widths]
-    views = [o.numpy() for o in out]
+    views = [np.empty((total, width), dtype=np.uint8) for width in widths]
+    out = [torch.from_numpy(v) for v in views]
     if buffer is not None and len(ids):
         buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
     at = len(ids)
