@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 SAVE_AT = 4
-RESUME_STEPS = 24
+RESUME_STEPS = 48  # enough that every writer's rows after its restore come, after the saved rows it puts back
 NUM_WRITERS = 2
 
 
