@@ -66,6 +66,12 @@ class QueueKeys:
         """A trainer's claim on its rank: a token with a TTL, refreshed by a heartbeat."""
         return self._key(f"rank:{global_rank}")
 
+    def cut(self, generation: str) -> str:
+        """Hash: local rank -> how far its trainer got in the node's checkpoint cuts of session ``generation``
+        (NOTE [ Node cut ] in control/cutbarrier.py). Scoped by generation and given a TTL, so no earlier session's
+        entry can count; the session's last trainer does not need to delete it."""
+        return self._key(f"cut:{generation}")
+
     @property
     def rank_pattern(self) -> str:
         """A SCAN pattern matching every rank claim of this queue on this node."""

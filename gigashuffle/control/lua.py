@@ -1,4 +1,5 @@
-"""Lua scripts of the control plane: the node session, the buffer's metadata and the stats counters.
+"""Lua scripts of the control plane: the node session, the buffer's metadata, the stats counters and the node
+barrier of a checkpoint's cut (NOTE [ Node cut ] in control/cutbarrier.py).
 
 NOTE [ Control plane ]
 Slots are not here: their state lives in the slot table beside the buffer (NOTE [ Slot table ] in
@@ -124,4 +125,31 @@ DROP_STALE_CLAIM = """
 -- Deletes a claim whose holder is known dead, unless someone else took it meanwhile.
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
+"""
+
+CUT_ARRIVE = """
+-- KEYS: the node's cut hash (of this generation), then the claim of every local rank of the node, in local-rank order
+-- ARGV: my local rank, my claim token, cut number, phase, TTL ms
+-- Records that this trainer reached (cut, phase) of the node's checkpoint cut (NOTE [ Node cut ] in
+-- control/cutbarrier.py) and returns, for every local rank that has not, {local rank, its entry or ''}. An entry
+-- '<cut> <phase> <token>' counts only while its token holds that rank's claim now: a dead trainer's, or an earlier
+-- job's whose claim lapsed or was taken over, does not. A later cut counts as past every phase of an earlier one.
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+local cut, phase = tonumber(ARGV[3]), tonumber(ARGV[4])
+local missing = {}
+for i = 2, #KEYS do
+  local entry = redis.call('HGET', KEYS[1], tostring(i - 2))
+  local ok = false
+  if entry then
+    local c, p, token = string.match(entry, '^(%d+) (%d+) (.*)$')
+    c, p = tonumber(c), tonumber(p)
+    ok = c ~= nil and redis.call('GET', KEYS[i]) == token and (c > cut or (c == cut and p >= phase))
+  end
+  if not ok then
+    missing[#missing + 1] = i - 2
+    missing[#missing + 1] = entry or ''
+  end
+end
+return missing
 """

@@ -223,8 +223,16 @@ def _pause(env: ChildEnv, free: deque[int]) -> None:
     """A checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py): every batch drawn is announced; say so and
     draw nothing until ``Resume``."""
     env.channel.send(Paused())
-    while not any(isinstance(m, Resume) for m in _take_frees(env, free, _IDLE_POLL_S)):
-        pass
+    paused = True
+    while paused:
+        # A reader slow to read its channel (two cores, busy) may find a Resume and the next cut's Pause together:
+        # that Pause needs its own Paused, or the next cut waits for this reader until it times out.
+        for message in _take_frees(env, free, _IDLE_POLL_S):
+            if isinstance(message, Resume):
+                paused = False
+            elif isinstance(message, Pause):
+                env.channel.send(Paused())
+                paused = True
 
 
 def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int) -> tuple[SlotIds, Versions] | None:

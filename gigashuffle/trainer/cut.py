@@ -1,9 +1,9 @@
 """A checkpoint's consistent cut: the datasets' states plus every row that was read from them and not delivered.
 
 NOTE [ Checkpoint cut ]
-``state_dict()`` must bring back, exactly once, every row its trainer has not been handed yet: rows full in the
-buffer, in a reader's ring, waiting in the trainer, in a writer's chunk not yet copied. It saves the rows
-themselves ("rows way"), so any stateful dataset works. The trainer:
+``state_dict()`` must bring back, exactly once, every row no trainer of the node has been handed yet: rows full
+in the buffer, in a reader's ring, waiting in a trainer, in a writer's chunk not yet copied. It saves the rows
+themselves ("rows way"), so any stateful dataset works. Every rank of the node calls it at the same step, and each:
   1. sends every writer ``StateRequest(pause=True)``: the writer publishes every row it copied, answers its
      dataset's state for exactly the rows not in the buffer (between chunks, ``state_dict()``; inside a chunk, the
      state before that chunk and ``skip`` = the rows of it already copied: NOTE [ Respawned writers ] in
@@ -12,24 +12,28 @@ themselves ("rows way"), so any stateful dataset works. The trainer:
   2. sends every reader ``Pause``: it gathers what it had drawn, announces those batches, answers ``Paused`` and
      draws nothing until ``Resume``. The channel keeps order, so the trainer has every announced batch once it
      has the ``Paused``. Writers go first so that readers keep draining the buffer while writers finish;
-  3. copies out the rows of every full slot (it maps the buffer for this, once) and of every announced batch not
-     yet handed to the caller, one ``uint8 [n, row_bytes]`` tensor per field;
-  4. sends ``Resume`` to all. Training goes on from the same buffer: the cut changes nothing it delivers.
-On ``load_state_dict`` writer 0 puts the saved rows back into the new buffer (published, not counted as its
-dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and skip. So every
-row not handed to the trainer before ``state_dict()`` comes back once, in a new random order, and none handed
-before it comes back. Batches handed out before the call count as consumed, whether or not the step that took
-them finished. Exact for one rank per node (``local_world_size == 1``) that evicts on read (the default): with
-several ranks on a node the other ranks' readers and writers would not be paused while this rank copied the buffer, so
-each rank saves only its writers' states (unpaused), and no undelivered row is saved
-(up to ``shuffle_size`` rows are skipped by a resume, as without this cut).
+  3. waits at the node barrier ``PAUSED`` until every local rank did 1 and 2 (NOTE [ Node cut ] in
+     control/cutbarrier.py; no barrier with one rank per node): from then on nothing moves in the node's buffer;
+  4. copies out the rows of every announced batch not yet handed to its caller and, on local rank 0 only, of
+     every full slot of the buffer (mapped for this, once): one ``uint8 [n, row_bytes]`` tensor per field;
+  5. waits at the barrier ``COPIED`` until every local rank copied, then sends ``Resume`` to all. Training goes
+     on from the same buffer: the cut changes nothing it delivers.
+On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
+counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
+skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
+handed before it comes back. Batches handed out before the call count as consumed, whether or not the step that
+took them finished. Not for ``fill_once`` or ``evict_on_read=False``, where a row may be delivered more than once:
+there each rank saves its writers' states (unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
-``shuffle_size`` 262,144 tiny rows the pause is 11-51 ms and the state 4 MB; at 1M, 63-116 ms and 10-12 MB.
+``shuffle_size`` 1M tiny rows the pause is 8-15 ms (median 12 ms; ``benchmarks/cut_side_by_side.py``), but 88 ms for a
+loader's first checkpoint (it maps the buffer), and the state 10-11 MB for 650k-720k rows. With several ranks per
+node the two barriers add two Redis calls (~0.2 ms each) and the wait for the node's slowest rank.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -37,31 +41,41 @@ import numpy as np
 import torch
 
 from gigashuffle.config import DataloaderConfig
+from gigashuffle.control import cutbarrier
+from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.trainer.supervisor import Supervisor
 
+log = logging.getLogger(__name__)
 _requests = itertools.count(1)
 _POLL_S = 0.02
 
 
 def exact(config: DataloaderConfig) -> bool:
-    """Whether this rank's checkpoints save the buffer's rows (NOTE [ Checkpoint cut ])."""
-    return config.local_world_size == 1 and not config.fill_once and config.evict_on_read
+    """Whether checkpoints save the buffer's rows (NOTE [ Checkpoint cut ]): not in the modes that read a row more
+    than once or a buffer once."""
+    return not config.fill_once and config.evict_on_read
 
 
 def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[list[DatasetState], dict[str, Any]]:
-    """Pause this rank's writers and readers, read their states and the undelivered rows, resume them."""
+    """Pause this rank's writers and readers (and, through the node barrier, wait for the node's other ranks to
+    pause theirs), read the states and the undelivered rows, resume them."""
     started = time.monotonic()
     deadline = started + timeout_s
     pause = exact(config)
-    sup.start_cut(pause)
+    if not pause:
+        _warn_inexact(config)
+    number = sup.start_cut(pause)
+    barrier = _barrier(sup, config) if pause else None
     try:
         answers = _writer_states(sup, config, deadline, pause)
         rows: dict[str, Any] = {}
         if pause:
             _pause_readers(sup, config, deadline)
-            rows = _saved_rows(sup, answers)
+            _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
+            rows = _saved_rows(sup, answers, copy_buffer=config.local_rank == 0)
+            _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
         return answers, rows
     finally:
         if pause:
@@ -73,6 +87,40 @@ def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[l
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
         sup.end_cut(started)
+
+
+def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
+    """The node barrier, or None for a node of one rank (nothing to wait for)."""
+    if config.local_world_size == 1:
+        return None
+    session = sup.session
+    return NodeBarrier(session.store, config.queue_name, config.global_rank, config.local_rank,
+                       config.local_world_size, session.token)  # fmt: skip
+
+
+def _wait(sup: Supervisor, barrier: NodeBarrier | None, number: int, phase: int, deadline: float) -> None:
+    if barrier is not None:
+        deadline = min(deadline, time.monotonic() + cutbarrier.WAIT_S)
+        barrier.wait(number, phase, deadline, sup.pump, time.monotonic)
+
+
+_warned: set[str] = set()
+
+
+def _warn_inexact(config: DataloaderConfig) -> None:
+    """Say once per queue what a checkpoint of a mode that reads a row more than once does not bring back."""
+    if config.queue_name in _warned:
+        return
+    _warned.add(config.queue_name)
+    mode = "fill_once=True" if config.fill_once else "evict_on_read=False"
+    log.warning(
+        "queue %r: with %s a checkpoint saves only the datasets' positions, not the rows in the buffer or the "
+        "rings (a row may be delivered more than once in this mode, so 'consumed' is not defined): a resume "
+        "refills the buffer from those positions, and up to shuffle_size rows read from the datasets before the "
+        "checkpoint are not seen again",
+        config.queue_name,
+        mode,
+    )
 
 
 def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool) -> list[DatasetState]:
@@ -126,30 +174,42 @@ def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -
         sup.pump(_POLL_S)
 
 
-def _saved_rows(sup: Supervisor, answers: list[DatasetState]) -> dict[str, Any]:
-    """The rows of every full slot of the buffer, of every batch announced and not handed out, and those of the
-    last checkpoint that a writer had not yet put back."""
-    table = sup.table()
-    parts: list[list[np.ndarray[Any, Any]]] = []
+def _saved_rows(sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> dict[str, Any]:
+    """The rows of every full slot of the buffer (``copy_buffer``: one rank of a node copies it), of every batch
+    announced and not handed out, and those of the last checkpoint that a writer had not yet put back.
+
+    Each row is copied once, straight into its place in the saved tensors: this copy is most of the cut's pause."""
+    table = sup.table() if copy_buffer else None
+    arrays: list[list[Any]] = []  # per source, per field: rows to copy as they are
     layout_json = ""
     for answer in answers:
         if answer.rows and len(answer.rows[0]):
-            parts.append([np.asarray(f) for f in answer.rows])
+            arrays.append([np.asarray(f) for f in answer.rows])
             layout_json = answer.layout_json
+    for child, k in sup.inbox.waiting():
+        if child.ring is None:
+            raise AssertionError("a batch announced by a reader without a ring")
+        arrays.append([f.numpy() for f in child.ring.regions(k)[0]])
+        layout_json = layout_json or child.ring.layout.to_json()
+    buffer, ids = None, np.empty(0, dtype=np.int64)
     if table is not None:
         buffer = sup.node_table.rows()
         layout_json = buffer.layout.to_json()
         ids = table.full_ids()
-        out = [np.empty((len(ids), spec.row_bytes), dtype=np.uint8) for spec in buffer.layout.fields]
-        buffer.gather(ids, out)
-        parts.append(out)
-    for child, k in sup.inbox.waiting():
-        if child.ring is None:
-            raise AssertionError("a batch announced by a reader without a ring")
-        fields, _index = child.ring.regions(k)
-        parts.append([f.numpy().copy() for f in fields])
-        layout_json = layout_json or child.ring.layout.to_json()
-    if not parts:
+    total = len(ids) + sum(len(fields[0]) for fields in arrays)
+    if not total:
         return {}
-    fields = [torch.from_numpy(np.concatenate(columns)) for columns in zip(*parts, strict=True)]
-    return {"layout": layout_json, "fields": fields}
+    widths = (
+        [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in arrays[0]]
+    )
+    views = [np.empty((total, width), dtype=np.uint8) for width in widths]
+    out = [torch.from_numpy(v) for v in views]
+    if buffer is not None and len(ids):
+        buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
+    at = len(ids)
+    for fields in arrays:
+        n = len(fields[0])
+        for view, rows in zip(views, fields, strict=True):
+            view[at : at + n] = rows
+        at += n
+    return {"layout": layout_json, "fields": out}

@@ -91,6 +91,7 @@ class Supervisor:
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
         self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
+        self._cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
         self._closed = False
@@ -346,9 +347,12 @@ class Supervisor:
         self.send_to_writers(SetEpoch(epoch))
 
     # -- a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py) --------------------------------------
-    def start_cut(self, pause: bool) -> None:
-        """With ``pause``, children started from now on start paused."""
+    def start_cut(self, pause: bool) -> int:
+        """A new cut (its number: the node barrier's, NOTE [ Node cut ]); with ``pause``, children started from now
+        on start paused."""
         self._specs.cutting = pause
+        self._cuts += 1
+        return self._cuts
 
     def end_cut(self, started: float) -> None:
         """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again."""

@@ -1,0 +1,114 @@
+"""One rank of one segment of the multi-rank exact-checkpoint scenario (tests/integration/test_checkpoint_nodecut.py).
+
+The dataset is checkpoint_job.py's ``FiniteIds`` (ids unique across the job's writers). Every rank of the job is
+its own process; they meet in a gloo group (``--dist``, a ``tcp://`` address) only to merge the checkpoint
+(``gathered_state_dict()``, saved by rank 0) and, in the last segment, to agree on when every id came.
+
+A segment builds the loader, loads ``--resume`` right after construction, reads ``--before`` batches writing each row's
+id and pass to ``<out>.rank<r>.before``, takes ``loader.gathered_state_dict()`` (every rank at the same step) into
+``--save``, reads ``--after`` more batches (not counted) and SIGKILLs itself. ``--kill-reader-at N`` SIGKILLs this
+rank's reader 0 after N batches; ``--late-s S`` calls ``state_dict()`` S seconds after the other ranks (a slower step),
+its writers and readers running meanwhile. ``--before 0 --counted F --drain-past P``: the last segment, reading until
+every id of pass 0 not in ``F`` came to some rank, then ``P`` rows more across the job; everything it reads counts.
+
+It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from checkpoint_job import STRIDE, FiniteIds, _record
+
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    for name in ("--redis-url", "--queue", "--out", "--dist"):
+        p.add_argument(name, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--local-world", type=int, required=True)
+    p.add_argument("--resume", default="")
+    p.add_argument("--save", default="")
+    p.add_argument("--before", type=int, default=0)
+    p.add_argument("--after", type=int, default=0)
+    p.add_argument("--drain-past", type=int, default=0)
+    p.add_argument("--counted", default="")
+    p.add_argument("--kill-reader-at", type=int, default=-1)
+    p.add_argument("--late-s", type=float, default=0.0, help="a slow step: call state_dict() this much later")
+    p.add_argument("--ids", type=int, default=500)
+    p.add_argument("--chunk", type=int, default=8)
+    p.add_argument("--bs", type=int, default=8)
+    p.add_argument("--shuffle-size", type=int, default=128)
+    p.add_argument("--max-seconds", type=float, default=200.0)
+    return p.parse_args()
+
+
+def _drain(it: object, args: argparse.Namespace, out: object) -> None:
+    """The last segment: read until every id of pass 0 not counted yet came to some rank, then a margin."""
+    counted = set(map(int, Path(args.counted).read_text().split())) if args.counted else set()
+    missing = {w * STRIDE + i for w in range(args.world) for i in range(args.ids)} - counted
+    margin, deadline = args.drain_past, time.monotonic() + args.max_seconds
+    while True:
+        rows = _record(next(it))  # type: ignore[call-overload]
+        for i, ps in rows:
+            out.write(f"{i} {ps}\n")  # type: ignore[attr-defined]
+        parts: list[object] = [None] * args.world
+        dist.all_gather_object(parts, ([i for i, ps in rows if ps == 0], len(rows), time.monotonic() > deadline))
+        ended = False
+        for ids, n, late in parts:  # type: ignore[misc]
+            missing.difference_update(ids)
+            margin -= 0 if missing else n
+            ended = ended or late
+        if ended or (not missing and margin <= 0):
+            return
+
+
+def main() -> None:
+    args = _args()
+    dist.init_process_group("gloo", init_method=args.dist, rank=args.rank, world_size=args.world)
+    cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=1,
+                           num_readers=1, redis_url=args.redis_url, max_restarts=3, global_rank=args.rank,
+                           global_world_size=args.world, local_rank=args.rank % args.local_world,
+                           local_world_size=args.local_world)  # fmt: skip
+    loader = MultiprocessShuffledDataloader(FiniteIds(args.ids, args.chunk), cfg)
+    if args.resume:
+        loader.load_state_dict(torch.load(args.resume, weights_only=False))
+    it = iter(loader)
+    with open(f"{args.out}.rank{args.rank}.before", "w") as before:
+        if args.before == 0:
+            _drain(it, args, before)
+            before.flush()
+            loader.close()
+            dist.destroy_process_group()
+            return
+        for n in range(args.before):
+            if n == args.kill_reader_at:
+                os.kill(loader.child_pids()["reader"][0], signal.SIGKILL)
+            for i, ps in _record(next(it)):
+                before.write(f"{i} {ps}\n")
+        before.flush()
+        os.fsync(before.fileno())
+    time.sleep(args.late_s)  # a step slower than the other ranks': the node's other ranks wait at the barrier
+    state = loader.gathered_state_dict()
+    if args.rank == 0:
+        torch.save(state, args.save + ".tmp")
+        os.replace(args.save + ".tmp", args.save)
+    dist.barrier()  # nobody dies before the checkpoint is written
+    with open(f"{args.out}.rank{args.rank}.after", "w") as after:
+        for _ in range(args.after):
+            for i, ps in _record(next(it)):
+                after.write(f"{i} {ps}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

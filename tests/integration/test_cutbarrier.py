@@ -1,0 +1,111 @@
+"""The node barrier of a checkpoint's cut (NOTE [ Node cut ] in control/cutbarrier.py), on a real Redis: who counts
+as arrived, what a stale entry or another session cannot do, and a rank that never calls ``state_dict()``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from datasets import Counter, take
+
+from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.control import cutbarrier
+from gigashuffle.control.client import connect
+from gigashuffle.control.cutbarrier import COPIED, PAUSED, NodeBarrier
+from gigashuffle.control.keys import QueueKeys
+from gigashuffle.control.plane import ControlPlane
+
+
+@pytest.fixture
+def node(redis_url: str) -> Iterator[tuple[ControlPlane, str]]:
+    """A node of three local ranks (global ranks 4, 5, 6) whose claims hold tokens t4, t5, t6."""
+    client = connect(redis_url)
+    store = ControlPlane(client, QueueKeys(f"cb-{uuid.uuid4().hex[:8]}", "n2"), "gen-a")
+    for rank in (4, 5, 6):
+        client.set(store.keys.rank(rank), f"t{rank}", px=60_000)
+    yield store, redis_url
+    client.close()
+
+
+def _barrier(store: ControlPlane, local_rank: int, token: str | None = None) -> NodeBarrier:
+    return NodeBarrier(store, store.keys.queue, 4 + local_rank, local_rank, 3, token or f"t{4 + local_rank}")
+
+
+def test_a_barrier_opens_once_every_local_rank_arrived(node: tuple[ControlPlane, str]) -> None:
+    store, _ = node
+    ranks = [_barrier(store, i) for i in range(3)]
+    assert set(ranks[0].arrive(1, PAUSED)) == {1, 2}
+    assert set(ranks[2].arrive(1, PAUSED)) == {1}
+    assert ranks[1].arrive(1, PAUSED) == {}
+    assert ranks[0].arrive(1, PAUSED) == {}
+    # Phase 2 needs every rank again; a rank already at the next cut counts as past it.
+    assert set(ranks[0].arrive(1, COPIED)) == {1, 2}
+    ranks[1].arrive(2, PAUSED)
+    assert set(ranks[0].arrive(1, COPIED)) == {2}
+    assert 0 < store.client.pttl(store.keys.cut("gen-a")) <= cutbarrier.TTL_MS
+
+
+def test_an_entry_of_an_earlier_trainer_of_the_rank_does_not_count(node: tuple[ControlPlane, str]) -> None:
+    """A job that died left '5 2 old' for local rank 1 in the same session; the rank's claim now holds t5."""
+    store, _ = node
+    _barrier(store, 1, token="old").arrive(5, COPIED)
+    _barrier(store, 2).arrive(1, PAUSED)
+    assert set(_barrier(store, 0).arrive(1, PAUSED)) == {1}
+    store.client.delete(store.keys.rank(6))  # a rank whose trainer died and whose claim lapsed
+    assert set(_barrier(store, 0).arrive(1, PAUSED)) == {1, 2}
+
+
+def test_another_session_cannot_satisfy_a_barrier(node: tuple[ControlPlane, str]) -> None:
+    store, _ = node
+    for i in (1, 2):
+        _barrier(store, i).arrive(1, COPIED)
+    later = ControlPlane(store.client, store.keys, "gen-b")
+    assert set(_barrier(later, 0).arrive(1, PAUSED)) == {1, 2}
+
+
+def test_a_wait_past_its_deadline_names_the_missing_ranks(node: tuple[ControlPlane, str]) -> None:
+    store, _ = node
+    _barrier(store, 2).arrive(3, PAUSED)
+    waits: list[float] = []
+    with pytest.raises(CheckpointError, match=r"global rank 5 \(local rank 1: never took part.*global rank 6 "
+                       r"\(local rank 2: last at cut 3 phase 1\)"):  # fmt: skip
+        _barrier(store, 0).wait(3, COPIED, time.monotonic() + 0.2, waits.append, time.monotonic)
+    assert waits and max(waits) <= 0.02, "the wait polls, and never for long"
+
+
+def test_a_rank_that_never_calls_state_dict_fails_the_others_checkpoint(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 of a node of two asks for a checkpoint that rank 1 never takes: a CheckpointError naming rank 1, not a
+    hang; rank 0's loader reads on (its children were resumed)."""
+    monkeypatch.setattr(cutbarrier, "WAIT_S", 1.0)
+    queue = f"cbl-{uuid.uuid4().hex[:8]}"
+    common: dict[str, Any] = dict(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1,
+                                  local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
+    with (
+        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(**common)) as rank0,
+        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(local_rank=1, global_rank=1, **common)) as rank1,
+    ):
+        it0, it1 = iter(rank0), iter(rank1)
+        take(it0, 2), take(it1, 2)
+        with pytest.raises(CheckpointError, match=r"global rank 1 \(local rank 1: never took part in a cut\)"):
+            rank0.state_dict()
+        assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+
+
+def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_leaves_out(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``evict_on_read=False``: no rows saved, no node barrier (rank 1 of the node never calls), one warning."""
+    queue = f"cbe-{uuid.uuid4().hex[:8]}"
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1, evict_on_read=False,
+                           local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(Counter(), cfg) as loader, caplog.at_level("WARNING"):
+        take(iter(loader), 2)
+        states = [loader.state_dict()["rank0"] for _ in range(2)]
+    assert [s["rows"] for s in states] == [{}, {}]
+    warned = [r.getMessage() for r in caplog.records if "saves only the datasets' positions" in r.getMessage()]
+    assert len(warned) == 1 and "evict_on_read=False" in warned[0], warned

@@ -1,0 +1,34 @@
+"""A reader's pause for a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py), over a real channel pair."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from types import SimpleNamespace
+from typing import Any, cast
+
+from gigashuffle.procs import reader
+from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.messages import Pause, Paused, Resume
+
+_WAIT_S = 10.0
+
+
+def test_a_pause_read_together_with_the_last_cuts_resume_is_answered() -> None:
+    """A reader slow to read its channel finds the Resume of one cut and the Pause of the next in one read: it must
+    answer that Pause and stay paused, or the next cut waits for it until it times out."""
+    trainer, child = Channel.pair()
+    env = cast(Any, SimpleNamespace(channel=child))  # _pause talks to the trainer through its channel only
+    trainer.send(Resume())
+    trainer.send(Pause())
+    paused = threading.Thread(target=reader._pause, args=(env, deque()), daemon=True)
+    paused.start()
+    for cut in ("the first", "the second"):
+        assert trainer.poll(_WAIT_S), f"no Paused for {cut} cut"
+        assert isinstance(trainer.recv()[0], Paused)
+    assert paused.is_alive(), "the reader resumed although the second cut had paused it"
+    trainer.send(Resume())
+    paused.join(_WAIT_S)
+    assert not paused.is_alive(), "the reader did not resume after the second cut's Resume"
+    trainer.close()
+    child.close()
