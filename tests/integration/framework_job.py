@@ -32,15 +32,15 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 SAVE_AT = 2
 # Steps after the resume: the rest of a rank's pass 0 (2 * IDS - SAVE_AT * BS = 32 rows, 4 steps) and then enough
-# draws that no row of pass 0 is left in the buffer: a step draws BS = 8 of its SHUFFLE = 32 slots, so a row stays
-# undrawn for 56 steps with a chance of 0.75**56 = 1e-7.
+# draws that no row of pass 0 is left in the buffer: a step of both ranks draws 2 * BS = 16 of the node's
+# SHUFFLE = 64 slots, so a row stays undrawn for 56 steps with a chance of 0.75**56 = 1e-7.
 RESUME_STEPS = 64
 NUM_WRITERS = 2
 IDS = 24  # per writer and pass: 4 writers, 96 ids; a rank's 48 are 6 steps
 STRIDE = 10**6
 CHUNK = 4
 BS = 8
-SHUFFLE = 32
+SHUFFLE = 64  # the node's, shared by its two ranks
 
 
 class FiniteIds(IterableDataset):  # type: ignore[type-arg]
@@ -88,13 +88,10 @@ class TinyModel(torch.nn.Module):
 
 
 def make_loader(args: argparse.Namespace) -> MultiprocessShuffledDataloader:
-    # Each rank a node of its own (its own buffer): a checkpoint is exact for one rank per node (NOTE [ Checkpoint
-    # cut ] in trainer/cut.py), which is what the test checks through each framework.
-    rank = int(os.environ["RANK"])
+    # Both ranks on one node, sharing its buffer: their checkpoint is one cut of the node (NOTE [ Node cut ]).
     config = DataloaderConfig.from_env(
         bs=BS, shuffle_size=SHUFFLE, min_mixing=0.25, num_writers=NUM_WRITERS, num_readers=1, queue_name=args.queue,
-        redis_url=args.redis_url, batch_format="dict", index_key=False, max_restarts=0, local_rank=0,
-        local_world_size=1, node_id=f"rank{rank}",
+        redis_url=args.redis_url, batch_format="dict", index_key=False, max_restarts=0,
     )  # fmt: skip
     return MultiprocessShuffledDataloader(FiniteIds(), config)
 

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600)]
 JOB = Path(__file__).with_name("framework_job.py")
 WORLD = 2
 NUM_WRITERS = 2
-IDS, STRIDE = 24, 10**6  # as framework_job.py: each rank a node of its own (exact cut: NOTE [ Checkpoint cut ])
+IDS, STRIDE = 24, 10**6  # as framework_job.py (both ranks on one node: NOTE [ Node cut ])
 DEADLINE_S = startup_deadline(240.0, startups=40)
 
 
