@@ -115,6 +115,21 @@ def test_a_checkpoint_of_another_rank_or_a_damaged_one_is_refused() -> None:
         own_part(cfg, {"rank1": {**mine, "rows": {"layout": "{}", "fields": [torch.zeros(3, 4)]}}})
 
 
+def _resume_and_count(dataset: FiniteIds, cfg: DataloaderConfig, state: Any, before: list[int], ids: int) -> None:
+    """Resume ``state`` and read well into the next pass: with ``before`` (ids of pass 0 read up to the checkpoint)
+    every id of pass 0 must come exactly once."""
+    with MultiprocessShuffledDataloader(dataset, cfg) as again:
+        again.load_state_dict(state)
+        it = iter(again)
+        after: list[tuple[int, int]] = []
+        deadline = time.monotonic() + 120
+        while sum(p > 0 for _i, p in after) < 20 * 64 and time.monotonic() < deadline:
+            after += [(int(i), int(p)) for b in take(it, 1) for i, p in zip(b[0]["id"], b[0]["pass"], strict=True)]
+    seen = collections.Counter(before + [i for i, p in after if p == 0])
+    assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
+    assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"
+
+
 def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_of_it(redis_url: str) -> None:
     """A full buffer with the caller not reading: the writer waits for empty slots inside a chunk it has taken from
     its dataset. The checkpoint must name the state before that chunk and the rows of it written (NOTE [ Checkpoint
@@ -127,16 +142,7 @@ def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_
         wait_for(lambda: loader.stats().empty == 0, "the buffer to fill up while nobody reads")
         state = loader.state_dict()
     assert state["rank0"]["skip"][0] > 0, "the writer was inside a chunk: its state is from before it"
-    with MultiprocessShuffledDataloader(FiniteIds(ids, 200), cfg) as again:  # the same queue: its checkpoint
-        again.load_state_dict(state)
-        it = iter(again)
-        after: list[tuple[int, int]] = []
-        deadline = time.monotonic() + 120
-        while sum(p > 0 for _i, p in after) < 20 * 64 and time.monotonic() < deadline:
-            after += [(int(i), int(p)) for b in take(it, 1) for i, p in zip(b[0]["id"], b[0]["pass"], strict=True)]
-    seen = collections.Counter(before + [i for i, p in after if p == 0])
-    assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
-    assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"
+    _resume_and_count(FiniteIds(ids, 200), cfg, state, before, ids)  # the same queue: its checkpoint
 
 
 def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_url: str) -> None:
@@ -154,13 +160,4 @@ def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_ur
         with pytest.raises(TypeError, match=r"item 0 is a dict, but this loader yields each batch as a list of dicts"):
             loader.state_dict(unconsumed=ahead[0])  # type: ignore[arg-type]
     before = [int(i) for b in trained for i in b[0]["id"]]
-    with MultiprocessShuffledDataloader(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue)) as again:
-        again.load_state_dict(state)
-        it = iter(again)
-        after: list[tuple[int, int]] = []
-        deadline = time.monotonic() + 120
-        while sum(p > 0 for _i, p in after) < 20 * 64 and time.monotonic() < deadline:
-            after += [(int(i), int(p)) for b in take(it, 1) for i, p in zip(b[0]["id"], b[0]["pass"], strict=True)]
-    seen = collections.Counter(before + [i for i, p in after if p == 0])
-    assert sorted(seen) == list(range(ids)), f"lost {sorted(set(range(ids)) - set(seen))[:10]}"
-    assert max(seen.values()) == 1, f"twice: {[i for i, n in seen.items() if n > 1][:10]}"
+    _resume_and_count(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue), state, before, ids)
