@@ -83,7 +83,7 @@ def test_the_default_seed_is_agreed_by_the_ranks_of_a_node_and_logged(
     queue = f"seed-node-{uuid.uuid4().hex[:8]}"
     common: dict[str, Any] = dict(queue_name=queue, local_world_size=2, global_world_size=2, num_writers=1,
                                   shuffle_size=64, seed=None)  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="gigashuffle.trainer.supervisor"):
+    with caplog.at_level(logging.INFO, logger="gigashuffle.trainer.childspecs"):
         rank0 = MultiprocessShuffledDataloader(SeedEcho(), _config(redis_url, **common))
         try:
             rank1 = MultiprocessShuffledDataloader(
