@@ -22,8 +22,10 @@ On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back int
 counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
 skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
 handed before it comes back. Batches handed out before the call count as consumed, whether or not the step that
-took them finished. Not for ``fill_once`` or ``evict_on_read=False``, where a row may be delivered more than once:
-there each rank saves its writers' states (unpaused) and no row, and says so once per queue in a warning.
+took them finished, unless the caller passes them as ``state_dict(unconsumed=[...])`` (a prefetching loop): their
+rows are read back from the batches and saved after the cut's (trainer/unconsumed.py). Not for ``fill_once`` or
+``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
+(unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
 ``shuffle_size`` 1M tiny rows the pause is 8-15 ms (median 12 ms; ``benchmarks/cut_side_by_side.py``), but 88 ms for a
 loader's first checkpoint (it maps the buffer), and the state 10-11 MB for 650k-720k rows. With several ranks per
