@@ -34,7 +34,9 @@ handler or the caller's, which it calls in the end). The handler raises at once 
   only when it landed in a callback of a few microseconds and the caller then stays away from the loader.
 
 At interpreter exit (``set_exiting()``, called by the loader's atexit hook before it closes the loaders that were
-never closed, and only if a loader was ever made) SIGINT is ignored from then on, with a debug log line, and the
+never closed, and only if a loader was ever made) SIGINT is ignored from then on (and in ``threading._shutdown``,
+which Python runs at exit before the atexit callbacks, unless it insists for ``_INSIST_S``: a non-daemon thread that
+never ends must not make the exit unstoppable), with a debug log line, and the
 handler stays: the process is ending, and an interrupt would only abort its teardown half way (processes, Redis keys
 and the embedded server left behind) or print "Exception ignored in atexit callback" from whatever teardown comes
 next. SIGTERM and SIGKILL still end it. Where the handler is not ours (another thread,
@@ -72,8 +74,28 @@ class _State:
 _state = _State()
 
 
+# Python runs it at interpreter exit only, before the atexit callbacks (where set_exiting() comes from).
+_THREADING_SHUTDOWN: CodeType | None = getattr(getattr(threading, "_shutdown", None), "__code__", None)
+
+
+def _in_threading_shutdown(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code is _THREADING_SHUTDOWN:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     state = _state
+    if not state.exiting and _THREADING_SHUTDOWN is not None and _in_threading_shutdown(frame):
+        # The exit began, before our atexit hook: an interrupt here would skip the loaders' teardown. One that
+        # insists (a non-daemon thread that never ends) still ends the wait, as without a loader.
+        now = time.monotonic()
+        if state.pending is None or now - state.pending < _INSIST_S:
+            state.pending = state.pending if state.pending is not None else now
+            log.debug("Ctrl-C at interpreter exit: ignored, the loader's teardown goes on")
+            return
     if state.exiting:
         state.pending = None
         log.debug("Ctrl-C at interpreter exit: ignored, the loader's teardown goes on")
