@@ -161,6 +161,27 @@ def interrupted(queue: str) -> None:
         next(it)
 
 
+def _hold_the_exit() -> None:
+    while threading.main_thread().is_alive():  # until the exit began: threading._shutdown stops the main thread
+        time.sleep(0.01)
+    print("EXITING", flush=True)  # the main thread now waits in threading._shutdown for this one
+    sys.stdin.read()
+
+
+def exit_joins_a_thread(queue: str) -> None:
+    """Leave the loader open and a non-daemon thread that ends when stdin closes: the interpreter's exit waits in
+    ``threading._shutdown`` (before any atexit callback) for the test to send its Ctrl-C there."""
+    cfg = DataloaderConfig(bs=8, shuffle_size=256, queue_name=queue, num_writers=1, num_readers=1)
+    loader = MultiprocessShuffledDataloader(Rows(), cfg)
+    LOADERS.append(loader)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    threading.Thread(target=_hold_the_exit, name="joined-at-exit").start()
+    pids = [pid for pids in loader.child_pids().values() for pid in pids]
+    print("READY " + json.dumps(pids), flush=True)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("gigashuffle.trainer.supervisor").setLevel(logging.DEBUG)
@@ -172,5 +193,7 @@ if __name__ == "__main__":
         no_close(args[0])
     elif mode == "interrupted":
         interrupted(args[0])
+    elif mode == "exit_joins_a_thread":
+        exit_joins_a_thread(args[0])
     else:
         raise SystemExit(f"unknown mode {mode!r}")

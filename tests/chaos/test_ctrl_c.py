@@ -136,3 +136,45 @@ def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
     assert "Bad file descriptor" not in stderr, detail
     assert _closed_line(stderr), f"the teardown at exit did not run to its end:\n{detail}"
     assert _wait_gone(pids, 10.0) == [], f"processes outlived the script: {pids}\n{detail}"
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_thread_does_not_cut_the_teardown() -> None:
+    """Python's exit joins non-daemon threads in ``threading._shutdown`` before it runs the atexit callbacks (where
+    the loader's teardown starts): a Ctrl-C there is ignored, and the teardown runs once the thread ends."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "exit_joins_a_thread", _queue()],
+        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    lines: list[str] = []
+    ignored = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "Ctrl-C at interpreter exit: ignored" in line:
+                ignored.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), line
+        pids = json.loads(line.split(" ", 1)[1])
+        assert proc.stdout.readline() == "EXITING\n", "".join(lines)  # the exit waits in threading._shutdown
+        proc.send_signal(signal.SIGINT)
+        assert ignored.wait(DEADLINE_S), "".join(lines)  # handled there, while the exit still waits
+        proc.stdin.close()  # the thread ends: the exit goes on to the teardown
+        proc.wait(DEADLINE_S)
+        reader.join(DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = "".join(lines)
+    detail = f"exit code {proc.returncode}\n--- stderr\n{stderr[-6000:]}"
+    assert proc.returncode == 0, detail
+    assert "KeyboardInterrupt" not in stderr and "Exception ignored" not in stderr, detail
+    assert _closed_line(stderr), f"the teardown at exit did not run to its end:\n{detail}"
+    assert _wait_gone(pids, 10.0) == [], f"processes outlived the script: {pids}\n{detail}"
