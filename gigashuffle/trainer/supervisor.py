@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class Supervisor:
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
         self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
+        self._pumping = threading.RLock()  # see pump()
         self._cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
@@ -147,7 +149,16 @@ class Supervisor:
 
     # -- the message pump ------------------------------------------------------------------------------------
     def pump(self, timeout: float = _PUMP_S) -> None:
-        """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message."""
+        """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message.
+
+        One thread at a time: a loader used from two threads (a training loop, and a monitor calling
+        ``child_pids()``, which pumps until a respawned child's pid is known) would otherwise read one channel from
+        both, one thread taking a message's header and the other its payload as the next header, and both then
+        wait for bytes that never come (seen as a 60 s hang right after a respawn in the chaos tests)."""
+        with self._pumping:
+            self._pump(timeout)
+
+    def _pump(self, timeout: float) -> None:
         self.raise_if_failed()
         self.inbox.flush()
         live = [c for c in self.children if c.alive]
