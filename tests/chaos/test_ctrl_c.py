@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -87,24 +88,44 @@ def test_exit_without_close_tears_down_silently() -> None:
     assert _closed_line(proc.stderr), f"the teardown at exit did not run to its end:\n{detail}"
 
 
+class _StderrLines:
+    """A script's stderr, read line by line by a thread; ``seen`` is set at the first line ``matches`` accepts."""
+
+    def __init__(self, proc: subprocess.Popen[str], matches: Callable[[str], bool]) -> None:
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(proc, matches), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str], matches: Callable[[str], bool]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            self.lines.append(line)
+            if matches(line):
+                self.seen.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _kill_if_running(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.usefixtures("runtime_dir")
 def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "interrupted", _queue()],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    lines: list[str] = []
-    traceback_done = threading.Event()
-
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if line.strip() == "KeyboardInterrupt":  # the last line of the script's traceback
-                traceback_done.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    # The last line of the script's traceback.
+    stderr_lines = _StderrLines(proc, lambda line: line.strip() == "KeyboardInterrupt")
     sent = 0
     try:
         assert proc.stdout is not None
@@ -115,7 +136,7 @@ def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
         sent += 1
         # The next ones land in the teardown (a second Ctrl-C while Python prints the first one's traceback would
         # cut that printing: Python's own, not the loader's).
-        assert traceback_done.wait(DEADLINE_S), "".join(lines)
+        assert stderr_lines.seen.wait(DEADLINE_S), stderr_lines.text
         rnd = random.Random(1)
         end = time.monotonic() + DEADLINE_S
         while proc.poll() is None and time.monotonic() < end:
@@ -123,12 +144,10 @@ def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
             sent += 1
             time.sleep(rnd.uniform(0.001, 0.01))
         proc.wait(DEADLINE_S)
-        reader.join(DEADLINE_S)
+        stderr_lines.join(DEADLINE_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr = "".join(lines)
+        _kill_if_running(proc)
+    stderr = stderr_lines.text
     detail = f"exit code {proc.returncode}, {sent} SIGINTs\n--- stderr\n{stderr[-6000:]}"
     assert "Ctrl-C at interpreter exit: ignored" in stderr, f"no SIGINT landed in the teardown:\n{detail}"
     # The script's own KeyboardInterrupt traceback is what the user asked for; nothing else may be printed.
@@ -138,6 +157,7 @@ def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
     assert _wait_gone(pids, 10.0) == [], f"processes outlived the script: {pids}\n{detail}"
 
 
+@pytest.mark.usefixtures("runtime_dir")
 def test_ctrl_c_while_the_exit_waits_for_a_thread_does_not_cut_the_teardown() -> None:
     """Python's exit joins non-daemon threads in ``threading._shutdown`` before it runs the atexit callbacks (where
     the loader's teardown starts): a Ctrl-C there is ignored, and the teardown runs once the thread ends."""
@@ -146,33 +166,20 @@ def test_ctrl_c_while_the_exit_waits_for_a_thread_does_not_cut_the_teardown() ->
         env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
-    lines: list[str] = []
-    ignored = threading.Event()
-
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "Ctrl-C at interpreter exit: ignored" in line:
-                ignored.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    stderr_lines = _StderrLines(proc, lambda line: "Ctrl-C at interpreter exit: ignored" in line)
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY "), line
         pids = json.loads(line.split(" ", 1)[1])
-        assert proc.stdout.readline() == "EXITING\n", "".join(lines)  # the exit waits in threading._shutdown
+        assert proc.stdout.readline() == "EXITING\n", stderr_lines.text  # the exit waits in threading._shutdown
         proc.send_signal(signal.SIGINT)
-        assert ignored.wait(DEADLINE_S), "".join(lines)  # handled there, while the exit still waits
+        assert stderr_lines.seen.wait(DEADLINE_S), stderr_lines.text  # handled there, while the exit still waits
         proc.stdin.close()  # the thread ends: the exit goes on to the teardown
         proc.wait(DEADLINE_S)
-        reader.join(DEADLINE_S)
+        stderr_lines.join(DEADLINE_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stderr = "".join(lines)
+        _kill_if_running(proc)
+    stderr = stderr_lines.text
     detail = f"exit code {proc.returncode}\n--- stderr\n{stderr[-6000:]}"
     assert proc.returncode == 0, detail
     assert "KeyboardInterrupt" not in stderr and "Exception ignored" not in stderr, detail
