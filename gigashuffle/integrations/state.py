@@ -103,7 +103,7 @@ class StatefulLoader(GatheredState):
             self._yielded += 1
             self._handed.append(batch)
             # Keep only what may still be untrained: holding a batch holds its ring slot.
-            while len(self._handed) > max(1, self._ahead()):
+            while len(self._handed) > max(0, self._ahead()):
                 self._handed.popleft()
             yield batch
 
