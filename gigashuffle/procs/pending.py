@@ -26,11 +26,12 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from types import TracebackType
 
 import numpy as np
 
+from gigashuffle.procs import failpoints
+from gigashuffle.shm.lanes import NO_LANE
 from gigashuffle.shm.picker import NO_IDS
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 
@@ -58,7 +59,7 @@ class PendingRows:
         table: SlotTable,
         pid: int,
         publish_within_s: float = PUBLISH_WITHIN_S,
-        on_commit: Callable[[int], None] | None = None,
+        lane: int = NO_LANE,
     ) -> None:
         self.table = table
         self.pid = pid
@@ -66,10 +67,10 @@ class PendingRows:
         self._ids: list[SlotIds] = []
         self._oldest = 0.0  # time.monotonic() of the first pending write
         self._lock = threading.Lock()
-        # Held from taking the pending rows to counting their commit, so that the two publishing threads commit in
-        # the order the rows were written and ``on_commit`` counts them in that order (NOTE [ Respawned writers ]).
+        # Held from taking the pending rows to their commit, so that the two publishing threads commit in the order
+        # the rows were written: the lane counts a prefix of the stream (NOTE [ Respawned writers ]).
         self._publishing = threading.Lock()
-        self.on_commit = on_commit  # told each commit's row count, in write order
+        self.lane = lane  # grows with each commit, in the same journaled op (NOTE [ Lanes ] in shm/lanes.py)
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -94,8 +95,9 @@ class PendingRows:
         with self._publishing:
             ids = self._take()
             if len(ids):
-                self._check(self.table.commit_written(self.pid, ids), ids)
-                self._counted(len(ids))
+                self._check(self.table.commit_written(self.pid, ids, self.lane), ids)
+                if failpoints.ACTIVE:
+                    failpoints.reached("writer.after_commit")
 
     def publish_and_reserve(self, n: int, min_full: int) -> SlotIds:
         """Publish every pending row and reserve ``n`` empty slots under one hold of the lock (``commit_and_acquire``:
@@ -106,14 +108,11 @@ class PendingRows:
         self._raise_if_failed()
         with self._publishing:
             ids = self._take()
-            held, fresh = self.table.commit_and_acquire(self.pid, ids, n, min_full)
+            held, fresh = self.table.commit_and_acquire(self.pid, ids, n, min_full, self.lane)
             self._check(held, ids)
-            self._counted(len(ids))
+            if failpoints.ACTIVE and len(ids):
+                failpoints.reached("writer.after_commit")
         return fresh
-
-    def _counted(self, rows: int) -> None:
-        if rows and self.on_commit is not None:
-            self.on_commit(rows)
 
     def publish_overdue(self, age_s: float) -> None:
         """The watcher's step: publish the pending rows if the oldest has waited ``age_s``."""

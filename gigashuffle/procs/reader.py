@@ -7,14 +7,15 @@ node lock the reader draws the slots of as many batches as it has free ring slot
 ``shuffle_size // (8 * bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and
 larger ones leave the lock free more often, and a reader never holds more than an eighth of the buffer).
 ``draw_full`` takes them uniformly at random among the full slots (``reading`` under this pid, once at least
-``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs``
-rows each, without any lock held; ``release_read`` returns the slots (to empty, or to full when
-evict_on_read=False), and only then are the batches announced. With free ring slots left, that release and the next
-draw share one hold of the lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots,
-which ``repair()`` returns to full (never delivered); killed between release and announcement, its batches are
-dropped, never delivered twice. The reader draws only for free ring slots, so a reader blocked on a slow trainer
-holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight
-(NOTE [ Ring depth ] in shm/buffer.py).
+``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs`` rows
+each, without any lock held; ``release_read`` returns the slots (to empty, or to full when evict_on_read=False), and
+only then are the batches announced. With free ring slots left, that release and the next draw share one hold of the
+lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to
+full (never delivered); killed between release and announcement, its batches are delivered by the trainer from its ring,
+once: the release moves the reader's lane in the same journaled op (NOTE [ Lanes ] in shm/lanes.py; before lanes those
+batches were lost). The reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and
+cannot starve the rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring depth ] in
+shm/buffer.py).
 
 Up to four batches per draw: the lock, the trainer's wake-up and the announcement are paid once per draw, not
 per batch (today's figures and the measurement that chose four: docs/benchmarks.md).
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.messages import (
@@ -58,6 +60,7 @@ from gigashuffle.shm.counters import (
     R_WRITERS_SUM,
     ChildCounters,
 )
+from gigashuffle.shm.lanes import NO_LANE, reader_lane
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 log = logging.getLogger(__name__)
@@ -141,11 +144,12 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     chores = Housekeeping(env)
     drawn: tuple[SlotIds, Versions] | None = None  # the next batches' slots, drawn with the last release
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
+    lane = _Lane(table, reader_lane(cfg.local_rank, env.spec.index) if evict else NO_LANE)
     while True:
         others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
         if _pausing(others):
             if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
-                _announce(env, buffer, table, ring, free, drawn, me, evict, 0, counters)
+                _announce(env, buffer, table, ring, free, drawn, me, lane, 0, counters)
                 drawn = None
             _pause(env, free)
             continue
@@ -162,7 +166,7 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
                 continue
         backoff.reset()
         want = min(len(free) - len(drawn[0]) // bs, most) * bs
-        drawn = _announce(env, buffer, table, ring, free, drawn, me, evict, want, counters, min_full)
+        drawn = _announce(env, buffer, table, ring, free, drawn, me, lane, want, counters, min_full)
 
 
 def _announce(
@@ -173,7 +177,7 @@ def _announce(
     free: deque[int],
     drawn: tuple[SlotIds, Versions],
     me: int,
-    evict: bool,
+    lane: _Lane,
     want: int,
     counters: ChildCounters,
     min_full: int = 0,
@@ -191,16 +195,39 @@ def _announce(
     cells[R_BATCHES] += len(ring_slots)
     _count_writers(table, slots[:bs], cells)
     following: tuple[SlotIds, Versions] | None = None
+    evict, batches = env.config.evict_on_read, len(ring_slots)
+    lane.number(ring, ring_slots)
     if want > 0:
-        released, next_slots, next_versions = table.release_and_draw(me, slots, evict, want, min_full)
+        released, next_slots, next_versions = table.release_and_draw(
+            me, slots, evict, want, min_full, lane.lane, batches
+        )
         following = (next_slots, next_versions) if len(next_slots) else None
         _account_draw(counters, table, next_versions)
     else:
-        released = table.release_read(me, slots, evict)
+        released = table.release_read(me, slots, evict, lane.lane, batches)
+    lane.released += batches
+    if failpoints.ACTIVE:
+        failpoints.reached("reader.after_release")
     if released != len(slots):
         raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
     env.channel.send(BatchReady(tuple(ring_slots)))
     return following
+
+
+class _Lane:
+    """This reader's lane (NOTE [ Lanes ] in shm/lanes.py): how many batches it and its predecessors released."""
+
+    def __init__(self, table: SlotTable, lane: int) -> None:
+        self.lane = lane
+        # Read under the lock: a release a dead predecessor was inside is rolled forward first.
+        self.released = table.lane_values((lane,))[0] if lane != NO_LANE else 0
+
+    def number(self, ring: BatchRing, ring_slots: list[int]) -> None:
+        """Number the batches about to be released, before the release (the trainer finds them by it if this
+        reader dies before it announces them)."""
+        if self.lane != NO_LANE:
+            for i, k in enumerate(ring_slots):
+                ring.seq[k] = self.released + i + 1
 
 
 def _count_writers(table: SlotTable, batch: SlotIds, cells: np.ndarray[Any, np.dtype[np.float64]]) -> None:

@@ -62,6 +62,7 @@ from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.workerinfo import become_worker
 from gigashuffle.schema import Layout
 from gigashuffle.shm.counters import W_BLOCKED_S, W_CHUNKS, W_DATASET_S, W_ROWS, ChildCounters
+from gigashuffle.shm.lanes import writer_lanes
 from gigashuffle.shm.picker import NO_IDS
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 
@@ -221,8 +222,9 @@ def run(spec: ChildSpec, channel: Channel) -> None:
         spec.dataset.context = spec.context
     if spec.epoch is not None:
         spec.dataset.set_epoch(spec.epoch)
+    lanes = writer_lanes(spec.config.local_rank, spec.index)
     position = initial_position(
-        spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows
+        spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows, lanes
     )
     env = ChildEnv(spec, channel)
     try:
@@ -256,6 +258,9 @@ def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
             f"{spec.config.queue_name!r} was created for [{published.describe()}]; every writer of a queue "
             "must yield the same fields, dtypes and row shapes"
         )
+    if env.table is None:
+        raise AssertionError("writer has no slot table after attach")
+    position.bind(env.table)  # NOTE [ Respawned writers ]: before the trainer maps the counter, before any commit
     counters = ChildCounters()  # NOTE [ Child counters ] in shm/counters.py: its fd travels first with Attached
     if counters.memory.fd is None:
         raise AssertionError("new counters have no fd")
@@ -294,8 +299,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
     cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
     position, dataset = chunks.position, env.spec.dataset
-    on_commit = position.committed if position.stateful else None  # NOTE [ Respawned writers ]
-    with PendingRows(table, me, on_commit=on_commit) as pending:
+    with PendingRows(table, me, lane=position.lanes[0]) as pending:  # NOTE [ Respawned writers ]
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
             pending.publish()
@@ -383,13 +387,13 @@ def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, 
         )
     rows = int(fields[0].shape[0]) if fields else 0
     pending.publish()  # rows of the stream so far are counted as such; the saved ones apart, for a successor
-    counted, pending.on_commit = pending.on_commit, position.committed_saved
+    pending.lane = position.lanes[1]
     serial = position.serial
     try:
         write(list(fields), rows, 0, saved=True)
         pending.publish()
     finally:
-        pending.on_commit = counted
+        pending.lane = position.lanes[0]
     if position.serial == serial:  # else a new state (with its own rows, maybe) came meanwhile
         position.restore_rows, position.restored = None, 0
         log.info("wrote back %d rows saved by the checkpoint", rows)

@@ -227,8 +227,11 @@ class BatchRing:
         self.field_offsets = offsets
         self.versions_offset = fields_bytes + bs * 8
         self.slot_bytes = _align(fields_bytes + bs * 16)
-        self.nbytes = self.slot_bytes * depth
+        self.nbytes = self.slot_bytes * depth + _align(8 * depth)
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
+        # Per ring slot, the sequence number of the batch the reader gathered into it and has not yet announced; 0
+        # once the trainer has it (NOTE [ Lanes ] in shm/lanes.py).
+        self.seq = self.memory.numpy_view(self.slot_bytes * depth, 8 * depth).view(np.int64)
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
         self._targets: dict[int, tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
@@ -297,4 +300,5 @@ class BatchRing:
         self._regions.clear()
         self._versions.clear()
         self._targets.clear()
+        self.seq = np.empty(0, dtype=np.int64)
         self.memory.close()

@@ -21,6 +21,8 @@ table holds):
   rows written and read (for ``gigashuffle stats``). An op journals each count's new value, computed under the
   lock before the commit point, and applying the op sets that value: a roll-forward cannot count twice. So does
   the version clock, which an acquire moves past the versions it allots.
+- A commit or a release may move a lane too (NOTE [ Lanes ] in shm/lanes.py): the op journals the lane and its new
+  value, and applying the op sets it, so a process's count of its rows or batches moves with them, atomically.
 """
 
 from __future__ import annotations
@@ -30,15 +32,17 @@ import numpy.typing as npt
 
 from gigashuffle.shm.picker import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotIds
 
-HEADER_BYTES = 128  # 16 int64 words, indexed by the H_* names below
+HEADER_BYTES = 256  # 32 int64 words, indexed by the H_* names below
 # Words: magic, slots, journal length (the commit point), op, pid; the version clock, rows written, rows read, the
 # journaled new value of the counter the op moves (rows written or read, or the clock), full slots and their
 # journaled new count, empty slots and theirs; the node lock's total hold time (ns) and number of holds, which are
 # statistics and not journaled (NOTE [ Node lock budget ] in shm/slottable.py); the creator's pid namespace (NOTE
-# [ Holder registry ] in shm/holders.py).
+# [ Holder registry ] in shm/holders.py); the lane an op moves and the lane's journaled new value (NOTE [ Lanes ] in
+# shm/lanes.py).
 H_MAGIC, H_SLOTS, H_LENGTH, H_OP, H_PID = 0, 1, 2, 3, 4
 H_CLOCK, H_WRITTEN, H_READ, H_JCOUNT, H_FULL, H_JFULL, H_EMPTY, H_JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
 H_HELD_NS, H_HOLDS, H_PIDNS = 13, 14, 15
+H_LANE, H_JLANE = 16, 17
 
 OP_ACQUIRE, OP_COMMIT, OP_DRAW, OP_RELEASE_KEEP, OP_RELEASE_EVICT, OP_EVICT, OP_REPAIR, OP_GIVE_BACK = range(1, 9)
 
@@ -50,13 +54,28 @@ class Journal:
     Every method runs under the node lock."""
 
     def __init__(
-        self, header: Header, ids: npt.NDArray[np.int32], state: npt.NDArray[np.uint8], holder: npt.NDArray[np.int32]
+        self,
+        header: Header,
+        ids: npt.NDArray[np.int32],
+        state: npt.NDArray[np.uint8],
+        holder: npt.NDArray[np.int32],
+        lanes: Header,
     ) -> None:
-        self.header, self.ids, self.state, self.holder = header, ids, state, holder
+        self.header, self.ids, self.state, self.holder, self.lanes = header, ids, state, holder, lanes
 
-    def commit(self, op: int, pid: int, ids: SlotIds, full_after: int = -1, empty_after: int = -1) -> None:
+    def commit(
+        self,
+        op: int,
+        pid: int,
+        ids: SlotIds,
+        full_after: int = -1,
+        empty_after: int = -1,
+        lane: int = -1,
+        step: int = 0,
+    ) -> None:
         """Journal the op, apply it, clear the journal. ``full_after`` and ``empty_after``: the counts of full and
-        of empty slots once it is applied (-1: the op moves no slot into or out of that state)."""
+        of empty slots once it is applied (-1: the op moves no slot into or out of that state). ``lane``: the lane
+        that grows by ``step`` with the op (NOTE [ Lanes ] in shm/lanes.py), journaled as its new value."""
         n = len(ids)
         if n == 0:
             return
@@ -64,6 +83,9 @@ class Journal:
         header = self.header
         header[H_OP] = op  # two scalar stores: a slice store from a tuple converts it to an array first
         header[H_PID] = pid
+        header[H_LANE] = lane
+        if lane >= 0:
+            header[H_JLANE] = self.lanes[lane] + step
         if op == OP_COMMIT:  # counters are journaled as their new value, so a roll-forward sets them again
             header[H_JCOUNT] = header[H_WRITTEN] + n
         elif op == OP_ACQUIRE:  # so is the version clock, moved past a fresh version for each slot reserved
@@ -101,6 +123,9 @@ class Journal:
             state[ids] = EMPTY
         else:
             self._apply_by_state(op, ids)
+        lane = int(header[H_LANE])
+        if lane >= 0:
+            self.lanes[lane] = header[H_JLANE]
         header[H_FULL] = header[H_JFULL]
         header[H_EMPTY] = header[H_JEMPTY]
 

@@ -1,8 +1,9 @@
 """The slot table's memory: its layout in the memfd, the views over it, the node lock around a transition, and the
 readings of its header that take no lock (the transitions are in shm/slottable.py: NOTE [ Slot table ] there).
 
-Layout: the header (counts, clock, lock figures, journal: shm/journal.py), the holder registry (shm/holders.py), then
-per slot its ``version`` (int64), ``holder`` (int32), the journal's id column (int32) and ``state`` (uint8).
+Layout: the header (counts, clock, lock figures, journal: shm/journal.py), the holder registry (shm/holders.py), the
+lanes (shm/lanes.py), then per slot its ``version`` (int64), ``holder`` (int32), the journal's id column (int32) and
+``state`` (uint8).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.errors import AttachError
+from gigashuffle.errors import AttachError, NodeLockBusy
 from gigashuffle.host.pids import pid_namespace
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.holders import REGISTRY_BYTES, HolderRegistry
@@ -34,12 +35,13 @@ from gigashuffle.shm.journal import (
     HEADER_BYTES,
     Journal,
 )
+from gigashuffle.shm.lanes import LANES
 from gigashuffle.shm.nodelock import NodeLock
 from gigashuffle.shm.picker import SlotPicker
 
 Versions = npt.NDArray[np.int64]
 
-_MAGIC = 0x67735F736C6F7436  # "gs_slot6"
+_MAGIC = 0x67735F736C6F7437  # "gs_slot7"
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class ShuffleBufferStats:
 
 
 def table_nbytes(slots: int) -> int:
-    return HEADER_BYTES + REGISTRY_BYTES + slots * (8 + 4 + 4 + 4 + 1) + 64
+    return HEADER_BYTES + REGISTRY_BYTES + 8 * LANES + slots * (8 + 4 + 4 + 4 + 1) + 64
 
 
 class SlotMap:
@@ -80,6 +82,8 @@ class SlotMap:
         self._header = raw[:HEADER_BYTES].view(np.int64)
         self._holders = HolderRegistry(raw[HEADER_BYTES : HEADER_BYTES + REGISTRY_BYTES].view(np.int64).reshape(-1, 2))
         offset = HEADER_BYTES + REGISTRY_BYTES
+        self.lanes = raw[offset : offset + 8 * LANES].view(np.int64)
+        offset += 8 * LANES
         self.version = raw[offset : offset + 8 * slots].view(np.int64)
         offset += 8 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
@@ -88,7 +92,7 @@ class SlotMap:
         self.writer = raw[offset : offset + 4 * slots].view(np.int32)
         offset += 4 * slots
         self.state = raw[offset : offset + slots]
-        self._journal = Journal(self._header, journal_ids, self.state, self.holder)
+        self._journal = Journal(self._header, journal_ids, self.state, self.holder, self.lanes)
         if memory is None:
             self._header[[H_MAGIC, H_SLOTS, H_EMPTY, H_PIDNS]] = (_MAGIC, slots, slots, pid_namespace())
         elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
@@ -140,6 +144,20 @@ class SlotMap:
         finally:
             self._lock.release()
 
+    def lane_values(self, lanes: tuple[int, ...], wait_s: float | None = None) -> tuple[int, ...]:
+        """The values of ``lanes`` (NOTE [ Lanes ] in shm/lanes.py) once any op a dead process was inside is rolled
+        forward: read under the lock. With ``wait_s``, a lock held that long (a stopped holder, which rolled forward
+        when it took the lock) is read around, and the values are still final: only a process inside an op moves a
+        lane, and that is the stopped holder, which is not the dead process asked about."""
+        try:
+            self._acquire(wait_s)
+        except NodeLockBusy:
+            return tuple(int(self.lanes[lane]) for lane in lanes)
+        try:
+            return tuple(int(self.lanes[lane]) for lane in lanes)
+        finally:
+            self._release()
+
     def lock_usage(self) -> LockUsage:
         """The node lock's total hold time and number of holds, from the header without the lock."""
         return LockUsage(int(self._header[H_HELD_NS]) / 1e9, int(self._header[H_HOLDS]))
@@ -167,8 +185,8 @@ class SlotMap:
         self._lock.close()
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
-        self._header = self.version = np.empty(0, dtype=np.int64)
+        self._header = self.version = self.lanes = np.empty(0, dtype=np.int64)
         self.holder = self.writer = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
-        self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder)
+        self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder, self.lanes)
         self._holders = HolderRegistry(np.empty((0, 2), dtype=np.int64))

@@ -75,6 +75,7 @@ from gigashuffle.shm.journal import (
     OP_RELEASE_KEEP,
     OP_REPAIR,
 )
+from gigashuffle.shm.lanes import NO_LANE
 from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds
 from gigashuffle.shm.slotmap import LockUsage, ShuffleBufferStats, SlotMap, Versions, table_nbytes
 
@@ -130,17 +131,20 @@ class SlotTable(SlotMap):
         self._stamp_versions(pid, ids, clock)
         return ids
 
-    def commit_written(self, pid: int, ids: npt.ArrayLike) -> int:
-        """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held."""
+    def commit_written(self, pid: int, ids: npt.ArrayLike, lane: int = NO_LANE) -> int:
+        """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held.
+        ``lane`` grows by that many (NOTE [ Lanes ] in shm/lanes.py)."""
         mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
-            self._commit_written(pid, mine)
+            self._commit_written(pid, mine, lane)
         finally:
             self._release()
         return len(mine)
 
-    def commit_and_acquire(self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0) -> tuple[int, SlotIds]:
+    def commit_and_acquire(
+        self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0, lane: int = NO_LANE
+    ) -> tuple[int, SlotIds]:
         """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty and the slots
         full or empty without them still number ``min_full``, else none, under one hold of the lock (two journaled
         ops). All or nothing: a writer that took the few slots just emptied would cut its next chunk into as many
@@ -152,7 +156,7 @@ class SlotTable(SlotMap):
         try:
             if pid not in self._holders.known:
                 self._register(pid)
-            self._commit_written(pid, mine)
+            self._commit_written(pid, mine, lane)
             empty = int(self._header[H_EMPTY])
             room = int(self._header[H_FULL]) + empty - n >= min_full
             fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
@@ -173,8 +177,8 @@ class SlotTable(SlotMap):
             self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
             self.writer.put(ids, pid)
 
-    def _commit_written(self, pid: int, mine: SlotIds) -> None:
-        self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine))
+    def _commit_written(self, pid: int, mine: SlotIds, lane: int) -> None:
+        self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine), -1, lane, len(mine))
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
         """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
@@ -215,18 +219,26 @@ class SlotTable(SlotMap):
         # (NOTE [ Node lock budget ]).
         return self.version.take(ids) if len(ids) else _NO_VERSIONS
 
-    def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool) -> int:
-        """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full."""
+    def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool, lane: int = NO_LANE, batches: int = 0) -> int:
+        """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full. ``lane`` grows by
+        ``batches`` (NOTE [ Lanes ] in shm/lanes.py)."""
         mine = self._held(pid, ids, (READING, READING_EVICT))
         self._acquire()
         try:
-            self._release_read(pid, mine, evict)
+            self._release_read(pid, mine, evict, lane, batches)
         finally:
             self._release()
         return len(mine)
 
     def release_and_draw(
-        self, pid: int, ids: npt.ArrayLike, evict: bool, n: int, min_full: int = 0
+        self,
+        pid: int,
+        ids: npt.ArrayLike,
+        evict: bool,
+        n: int,
+        min_full: int = 0,
+        lane: int = NO_LANE,
+        batches: int = 0,
     ) -> tuple[int, SlotIds, Versions]:
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
@@ -234,19 +246,20 @@ class SlotTable(SlotMap):
         candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
         self._acquire()
         try:
-            self._release_read(pid, mine, evict)
+            self._release_read(pid, mine, evict, lane, batches)
             drawn = self._draw(pid, n, min_full, candidates)
         finally:
             self._release()
         return len(mine), drawn, self._versions_of_drawn(drawn)
 
-    def _release_read(self, pid: int, mine: SlotIds, evict: bool) -> None:
+    def _release_read(self, pid: int, mine: SlotIds, evict: bool, lane: int, batches: int) -> None:
         empty = int(self._header[H_EMPTY])
         if evict:
-            self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine))
+            self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine), lane, batches)
         else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
-            self._journal.commit(OP_RELEASE_KEEP, pid, mine, int(self._header[H_FULL]) + back, empty + len(mine) - back)
+            full = int(self._header[H_FULL]) + back
+            self._journal.commit(OP_RELEASE_KEEP, pid, mine, full, empty + len(mine) - back, lane, batches)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
         """Full slots become empty; slots being read become empty when released. A slot whose version is not the

@@ -108,7 +108,21 @@ class Inbox:
 
     # -- what the readers said (the supervisor's pump) -------------------------------------------------------
     def announced(self, child: ChildProcess, ks: Iterable[int]) -> None:
+        ks = tuple(ks)
+        if child.ring is not None:
+            child.ring.seq[list(ks)] = 0  # the trainer has them now (NOTE [ Lanes ] in shm/lanes.py)
         self._ready.extend((child, k) for k in ks)
+
+    def recover(self, child: ChildProcess, released: int) -> int:
+        """A reader died: its ring slots numbered up to ``released`` (its lane) were released and never announced.
+        They are ready now, in the order they were gathered (NOTE [ Lanes ] in shm/lanes.py); returns how many."""
+        ring = child.ring
+        if ring is None:
+            return 0
+        seq = ring.seq
+        found = sorted((int(seq[k]), k) for k in range(ring.depth) if 0 < seq[k] <= released)
+        self.announced(child, (k for _n, k in found))
+        return len(found)
 
     def pass_ended(self, number: int) -> None:
         self._passes_ended.add(number)

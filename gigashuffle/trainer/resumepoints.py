@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,15 +72,21 @@ class ResumePoints:
         if report.serial == w.serial:
             w.reports.append(report)
 
-    def on_death(self, index: int) -> None:
-        """The writer died: where its successor starts (NOTE [ Respawned writers ])."""
+    def on_death(
+        self, index: int, lanes: tuple[int, int], read_lanes: Callable[[tuple[int, ...]], tuple[int, ...] | None]
+    ) -> None:
+        """The writer died: where its successor starts (NOTE [ Respawned writers ]). ``lanes``: its lanes,
+        ``read_lanes``: their values once any op it died inside is rolled forward (NOTE [ Lanes ])."""
         w = self._writers[index]
-        if w.counter is not None:
-            serial, committed, restored = (
+        values = read_lanes(lanes) if w.counter is not None and lanes[0] >= 0 else None
+        if w.counter is not None and values is not None:
+            serial, stream_base, saved_base = (
                 int(v) for v in np.frombuffer(w.counter.numpy_view(0, COUNTER_BYTES), np.int64)
             )
             w.counter.close()
             w.counter = None
+            stream_now, saved_now = values
+            committed, restored = stream_now - stream_base, saved_now - saved_base
             if serial == w.serial:  # else it died before it applied the last load_state_dict: start from that
                 layout_json, fields = w.saved
                 left = tuple(f[restored:] for f in fields)
@@ -89,6 +96,9 @@ class ResumePoints:
                     w.state, w.skip = best.state, committed - best.produced
                 else:
                     w.skip = committed
+        if w.counter is not None:  # the table was not mapped: its successor starts where this writer started
+            w.counter.close()
+            w.counter = None
         w.serial = next(self._serials)
         w.reports.clear()
 

@@ -53,6 +53,7 @@ from gigashuffle.procs.zygoteclient import ChildProcess, Zygote
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
 from gigashuffle.shm.counters import ChildCounters
+from gigashuffle.shm.lanes import NO_LANE, reader_lane, writer_lanes
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer import rejoin
 from gigashuffle.trainer.childspecs import ChildSpecs
@@ -64,6 +65,8 @@ from gigashuffle.trainer.resumepoints import ResumePoints
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
+# How long a dead child's lanes wait for the node lock before they are read around a stopped holder.
+_LANE_WAIT_S = 1.0
 
 
 class Supervisor:
@@ -248,6 +251,8 @@ class Supervisor:
 
     def _on_exit(self, child: ChildProcess, exitcode: int) -> None:
         self._drain(child)
+        if child.role == "reader" and not self._closed:
+            self._recover_batches(child)
         child.exitcode = exitcode
         child.channel.close()
         self.inbox.child_exited()
@@ -256,7 +261,8 @@ class Supervisor:
         if self._closed:
             return
         if child.role == "writer" and self.stateful:
-            self.resume.on_death(child.index)  # before the repair: its successor starts after its last commit
+            # Before the repair: its successor starts after its last commit (NOTE [ Respawned writers ]).
+            self.resume.on_death(child.index, writer_lanes(self.config.local_rank, child.index), self._lane_values)
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
@@ -275,6 +281,24 @@ class Supervisor:
             self.children.append(self._spawn(child.role, child.index, child.restarts + 1))
         elif self.failure is None:
             self.failure = error
+
+    def _recover_batches(self, child: ChildProcess) -> None:
+        """Batches the dead reader released and never announced (NOTE [ Lanes ] in shm/lanes.py): its channel is
+        drained, so every batch it announced is in the inbox and only these still carry a number."""
+        lane = reader_lane(self.config.local_rank, child.index)
+        if child.ring is None or lane == NO_LANE or not self.config.evict_on_read or self.config.fill_once:
+            return
+        values = self._lane_values((lane,))
+        if values is not None and (found := self.inbox.recover(child, values[0])):
+            log.info("reader %d died between releasing and announcing %d batches: delivering them", child.index, found)
+
+    def _lane_values(self, lanes: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Lane values once any op a dead child was inside is rolled forward; None if the table is not mapped."""
+        table = self.table()
+        if table is None:
+            log.warning("the node's slot table is not mapped: a dead child's last commit or release is not known")
+            return None
+        return table.lane_values(lanes, wait_s=_LANE_WAIT_S)
 
     def _on_attached(self, child: ChildProcess) -> None:
         child.attached = True

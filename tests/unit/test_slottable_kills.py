@@ -16,7 +16,8 @@ Afterwards, while the victim still lives (raise), the lock must be free to anoth
 itself; then the table, read under the lock (which rolls forward a journaled op), must equal the table before
 the op or after it whole (or after the first of a fused op's two journaled halves): every slot's state, the
 holder of every held slot, the version of every full or read slot, the rows written and read, the version clock,
-the counts of full and empty slots; and the journal must be empty.
+the counts of full and empty slots, the lanes (a commit's or a release's count: NOTE [ Lanes ] in shm/lanes.py);
+and the journal must be empty.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from gigashuffle.shm import holders, journal, nodelock, picker, slotmap, slottab
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, SlotTable
 
 SLOTS = 16
+LANE = 5  # the lane the commits and releases move (NOTE [ Lanes ] in shm/lanes.py)
 WAIT_S = 30.0
 _TRACED = frozenset(
     {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
@@ -144,22 +146,22 @@ def _half_repaired(table: SlotTable, v: int) -> Any:
 
 OPS = [
     Op("acquire_empty", lambda t, v: None, lambda t, v, a: t.acquire_empty(v, 3)),
-    Op("commit_written", _reserve, lambda t, v, a: t.commit_written(v, a)),
+    Op("commit_written", _reserve, lambda t, v, a: t.commit_written(v, a, LANE)),
     Op(
         "commit_and_acquire",
         _reserve,
-        lambda t, v, a: t.commit_and_acquire(v, a, 2),
-        lambda t, v, a: t.commit_written(v, a),
+        lambda t, v, a: t.commit_and_acquire(v, a, 2, 0, LANE),
+        lambda t, v, a: t.commit_written(v, a, LANE),
     ),
     Op("give_back", _reserve, lambda t, v, a: t.give_back(v, a)),
     Op("draw_full", lambda t, v: None, lambda t, v, a: t.draw_full(v, 3)),
-    Op("release_read_keep", _batch, lambda t, v, a: t.release_read(v, a, False)),
-    Op("release_read_evict", _batch, lambda t, v, a: t.release_read(v, a, True)),
+    Op("release_read_keep", _batch, lambda t, v, a: t.release_read(v, a, False, LANE, 1)),
+    Op("release_read_evict", _batch, lambda t, v, a: t.release_read(v, a, True, LANE, 1)),
     Op(
         "release_and_draw",
         _batch,
-        lambda t, v, a: t.release_and_draw(v, a, False, 3),
-        lambda t, v, a: t.release_read(v, a, False),
+        lambda t, v, a: t.release_and_draw(v, a, False, 3, 0, LANE, 1),
+        lambda t, v, a: t.release_read(v, a, False, LANE, 1),
     ),
     Op("evict", _evict_args, lambda t, v, a: t.evict(*a)),
     Op("repair", lambda t, v: None, lambda t, v, a: t.repair()),
@@ -201,7 +203,8 @@ def _view(table: SlotTable, victim: int) -> tuple[bytes, bytes, bytes, tuple[int
     header = table._header
     counters = tuple(int(header[i]) for i in (journal.H_WRITTEN, journal.H_READ, journal.H_CLOCK))
     counts = (int(header[journal.H_FULL]), int(header[journal.H_EMPTY]))
-    return state.tobytes(), holder.tobytes(), version.tobytes(), counters + counts
+    lanes = tuple(int(v) for v in table.lanes[: LANE + 2])  # NOTE [ Lanes ]: a lane moves with its op, whole
+    return state.tobytes(), holder.tobytes(), version.tobytes(), counters + counts + lanes
 
 
 def _victim(conn: Connection, table: SlotTable, op: Op) -> None:
