@@ -4,8 +4,11 @@ zygote imports this module; a call site costs one test of a module constant.
 
 ``GIGASHUFFLE_FAILPOINTS="<point>=<n>:<marker path>[,...]"``: the first process whose ``n``-th pass through
 ``<point>`` comes while ``<marker path>`` does not exist creates it and SIGKILLs itself (so a respawned child does not
-die again). Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a
-draw's slots released, its batches not yet announced).
+die again). ``<point>=<n>:sleep=<seconds>`` instead makes the ``n``-th and every later pass that slow (a slow step
+that a protocol must wait for, not a synchronisation). Points: ``writer.after_commit`` (rows committed, nothing else
+done yet), ``reader.after_release`` (a draw's slots released, its batches not yet announced),
+``cut.before_buffer_copy`` (a checkpoint's cut on local rank 0, every rank of the node paused, before it copies the
+node's buffer: NOTE [ Node cut ] in control/cutbarrier.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,9 @@ def reached(point: str) -> None:
     _passes[point] = _passes.get(point, 0) + 1
     count, marker = armed
     if _passes[point] < count:
+        return
+    if marker.startswith("sleep="):
+        time.sleep(float(marker.removeprefix("sleep=")))
         return
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))

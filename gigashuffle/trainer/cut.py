@@ -46,6 +46,7 @@ from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -182,6 +183,8 @@ def _saved_rows(sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bo
 
     Each row is copied once, straight into its place in the saved tensors: this copy is most of the cut's pause."""
     table = sup.table() if copy_buffer else None
+    if failpoints.ACTIVE and table is not None:
+        failpoints.reached("cut.before_buffer_copy")
     arrays: list[list[Any]] = []  # per source, per field: rows to copy as they are
     layout_json = ""
     for answer in answers:

@@ -38,9 +38,11 @@ def _segment(
     local_world: int,
     *args: str,
     per_rank: dict[int, list[str]] | None = None,
+    failpoints: dict[int, str] | None = None,
 ) -> str:
     """Run one segment of a job of ``world`` ranks on ``queue`` to its end (each rank kills itself); their stderr
-    tails. Every segment of a scenario runs on one queue: a checkpoint names its queue, and another refuses it."""
+    tails. Every segment of a scenario runs on one queue: a checkpoint names its queue, and another refuses it.
+    ``failpoints``: per rank, armed in it (gigashuffle/procs/failpoints.py)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(JOB.parent), *sys.path])}
     dist = f"tcp://{LOOPBACK}:{free_port()}"
     procs = []
@@ -50,7 +52,9 @@ def _segment(
                "--ids", str(IDS), "--shuffle-size", str(SHUFFLE), "--bs", str(BS), *args,
                *(per_rank or {}).get(rank, [])]  # fmt: skip
         log = out.parent / f"{out.name}.rank{rank}.log"
-        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w")), log))
+        armed = {"GIGASHUFFLE_FAILPOINTS": failpoints[rank]} if failpoints and rank in failpoints else {}
+        rank_env = {**env, **armed}
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=subprocess.DEVNULL, stderr=log.open("w")), log))
     deadline = time.monotonic() + _SEGMENT_S
     try:
         for proc, _log in procs:
@@ -68,7 +72,13 @@ def _counted(out: Path, world: int) -> list[tuple[int, int]]:
 
 
 def run_scenario(
-    redis_url: str, tmp: Path, world: int = 2, local_world: int = 2, kill_reader_in: int = -1, retry_segment: int = -1
+    redis_url: str,
+    tmp: Path,
+    world: int = 2,
+    local_world: int = 2,
+    kill_reader_in: int = -1,
+    retry_segment: int = -1,
+    failpoints: dict[int, str] | None = None,
 ) -> tuple[int, int, int]:
     """(lost, twice, counted) over the ids of pass 0. ``retry_segment``: that segment runs twice from the same
     checkpoint; the first run's rows and checkpoint are dropped (a job that crashed before its next checkpoint)."""
@@ -81,7 +91,8 @@ def run_scenario(
             # and readers running while the others wait; in one segment its reader 0 is killed.
             late = {world - 1: ["--late-s", "0.3", *(["--kill-reader-at", "10"] if seg == kill_reader_in else [])]}
             log = _segment(redis_url, queue, out, world, local_world, "--before", "24", "--after", "10", "--save",
-                           str(save), *(["--resume", ckpt] if ckpt else []), per_rank=late)  # fmt: skip
+                           str(save), *(["--resume", ckpt] if ckpt else []), per_rank=late,
+                           failpoints=failpoints)  # fmt: skip
             assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _counted(out, world)
         ckpt = str(save)
@@ -109,6 +120,13 @@ def test_two_nodes_of_two_ranks_on_one_redis_resume_every_row_once(redis_url: st
 
 def test_a_reader_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path) -> None:
     assert run_scenario(redis_url, tmp_path, kill_reader_in=1)[:2] == (0, 0)
+
+
+def test_no_rank_resumes_before_local_rank_0_copied_the_buffer(redis_url: str, tmp_path: Path) -> None:
+    """Local rank 0 copies the node buffer slowly (0.5 s): the other rank must wait at COPIED, or its readers take
+    rows rank 0 has not copied yet (lost) and its writers add rows their saved state reads again (twice)."""
+    slow_copy = {0: "cut.before_buffer_copy=1:sleep=0.5"}
+    assert run_scenario(redis_url, tmp_path, failpoints=slow_copy)[:2] == (0, 0)
 
 
 def test_resuming_twice_from_one_checkpoint_reads_every_row_once(redis_url: str, tmp_path: Path) -> None:
