@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--writers", type=int, required=True)
+    p.add_argument("--local-world", type=int, default=1, help="ranks per simulated node (node = rank // this)")
     p.add_argument("--resume", default="")
     p.add_argument("--save", default="")
     p.add_argument("--before", type=int, default=0)
@@ -67,7 +68,8 @@ def main() -> None:
     args = p.parse_args()
     cfg = DataloaderConfig(bs=16, shuffle_size=128, queue_name=args.queue, num_writers=args.writers, num_readers=1,
                            redis_url=args.redis_url, global_rank=args.rank, global_world_size=args.world,
-                           local_rank=0, local_world_size=1, max_restarts=3)  # fmt: skip
+                           local_rank=args.rank % args.local_world, local_world_size=args.local_world,
+                           max_restarts=3)  # fmt: skip
     dataset = Sharded(shards_of(args.shards), ParquetReader(), rows=16, seed=7, pass_field="pass")
     loader = MultiprocessShuffledDataloader(dataset, cfg)
     if args.resume:

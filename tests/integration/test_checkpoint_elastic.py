@@ -28,13 +28,15 @@ JOB = Path(__file__).with_name("elastic_job.py")
 _SEGMENT_S = 300
 
 
-def _segment(redis_url: str, queue: str, shards: Path, out: Path, world: int, writers: int, *args: str) -> str:
+def _segment(
+    redis_url: str, queue: str, shards: Path, out: Path, world: int, writers: int, *args: str, local_world: int = 1
+) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path]), "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(world):
         cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", queue, "--shards", str(shards),
                "--out", f"{out}-r{rank}", "--rank", str(rank), "--world", str(world), "--writers", str(writers),
-               *(a.replace("{rank}", str(rank)) for a in args)]  # fmt: skip
+               "--local-world", str(local_world), *(a.replace("{rank}", str(rank)) for a in args)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     for proc in procs:
@@ -61,15 +63,28 @@ def _merge(parts: list[Path], into: Path) -> None:
 
 
 def test_a_checkpoint_resumes_on_other_world_sizes_and_writer_counts_exactly(redis_url: str, tmp_path: Path) -> None:
+    """2 ranks x 2 writers -> 3 x 3 -> 1 x 2, each rank its own node."""
+    _run_segments(redis_url, tmp_path, [(2, 2, 1), (3, 3, 1)])
+
+
+def test_a_checkpoint_of_two_ranks_per_node_resumes_on_two_nodes_exactly(redis_url: str, tmp_path: Path) -> None:
+    """1 node of 2 ranks x 2 writers -> 2 nodes of 2 ranks x 1 writer -> 1 x 2: the node cut (local rank 0 saves
+    the buffer's rows) and the elastic re-split together."""
+    _run_segments(redis_url, tmp_path, [(2, 2, 2), (4, 1, 2)])
+
+
+def _run_segments(redis_url: str, tmp_path: Path, segments: list[tuple[int, int, int]]) -> None:
+    """(world, writers, ranks per node) per segment, each checkpointed and SIGKILLed past it, then a last segment of
+    1 rank x 2 writers drains: every id of each pass exactly once."""
     shards = write_shards(tmp_path / "shards")
     queue = f"elastic-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
     ckpt = ""
-    for seg, (world, writers) in enumerate([(2, 2), (3, 3)]):
+    for seg, (world, writers, local_world) in enumerate(segments):
         save = tmp_path / f"ckpt{seg}"
         resume = ["--resume", ckpt] if ckpt else []
         log = _segment(redis_url, queue, shards, tmp_path / f"seg{seg}", world, writers, "--before", "12",
-                       "--after", "8", "--save", f"{save}-{{rank}}.pt", *resume)  # fmt: skip
+                       "--after", "8", "--save", f"{save}-{{rank}}.pt", *resume, local_world=local_world)  # fmt: skip
         parts = [Path(f"{save}-{r}.pt") for r in range(world)]
         assert all(p.exists() for p in parts), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += [row for r in range(world) for row in _read(tmp_path / f"seg{seg}-r{r}.before")]
