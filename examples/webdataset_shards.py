@@ -1,24 +1,27 @@
-"""Recipe: webdataset tar shards feeding a gigashuffle buffer.
+"""Recipe: webdataset tar shards feeding a gigashuffle buffer, with exact, elastic checkpoints.
 
     python examples/webdataset_shards.py --write-shards /tmp/wds --shards 8      # make some local shards once
     torchrun --standalone --nproc-per-node=2 examples/webdataset_shards.py --urls '/tmp/wds/shard-{000000..000007}.tar'
 
-Needs the ``webdataset`` package besides gigashuffle (``pip install webdataset``); without it the script says so
-in one line and exits with code 2.
+Reading needs nothing besides gigashuffle: ``gigashuffle.sources.Sharded`` with ``TarReader`` reads webdataset's tar
+format itself (Python's ``tarfile``), grouping members into samples and decoding ``.npy``/``.cls``/``.txt``/``.json``
+as webdataset's ``.decode()`` does. Writing the shards (``--write-shards``) and ``--pipeline`` need the ``webdataset``
+package (``pip install webdataset``); without it the script says so in one line and exits with code 2.
 
 What matters:
 
-* ``nodesplitter=None``: writers see a job-wide ``get_worker_info()`` (every writer of every rank) and webdataset's
-  default ``workersplitter=split_by_worker`` splits the shard list on it, so each writer of the job reads its own
-  shards. ``nodesplitter=wds.split_by_node`` would split twice and every rank would read a fraction of its share
-  (``gigashuffle.sources.Chunked`` refuses it), and the default ``single_node_only`` fails under torchrun;
-* ``empty_check=False``: with fewer shards than the job's writers (``WORLD_SIZE * num_writers``) some writers get
-  no shard; they idle, but webdataset's empty check would raise in them instead;
-* ``.decode()`` turns ``.npy``/``.cls`` members into arrays and ints; ``Chunked`` stacks ``--chunk-rows`` samples per
-  field into one chunk (``__key__`` and ``__url__`` are left out: they are strings);
-* ``shardshuffle``: ``False`` reads shards in order, an int shuffles them per pass with webdataset's own seed.
+* ``Sharded(shards, TarReader(transform=...), rows=...)``: writer ``g`` of the job's ``G`` (every writer of every
+  rank) reads the shards ``s % G == g``, every sample once per pass; its state is a cursor per shard, so
+  ``loader.state_dict()`` resumes exactly, on this world size or another one (README: Checkpoints, Data sources);
+* ``transform`` maps a sample (``{"__key__", "id.cls": int, "x.npy": array, ...}``) to the row's fields;
+* fewer shards than the job's writers (``WORLD_SIZE * num_writers``) leaves some writers without a shard: they idle;
+* ``--pipeline`` reads through a webdataset pipeline in ``Chunked`` instead (``nodesplitter=None``,
+  ``empty_check=False``, ``.decode()``): the same rows, but a webdataset pipeline has no state, so that form cannot
+  checkpoint (``loader.state_dict()`` raises a ``CheckpointError`` naming the ``Sharded`` form).
 
-It prints one JSON line: the ids this rank read, how many writers it has, and the loader's seed.
+``--resume PATH`` loads a checkpoint right after building the loader; ``--save PATH`` saves ``loader.state_dict()``
+after the last batch (``PATH`` gets ``.rank<N>``). It prints one JSON line: the ids this rank read, how many writers
+it has, and the loader's seed.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.sources import Chunked
+from gigashuffle.sources import Chunked, Sharded, TarReader
 
 
 def _require(module: str) -> None:
@@ -44,13 +49,11 @@ def _require(module: str) -> None:
         sys.exit(2)
 
 
-_require("webdataset")
-
-import webdataset as wds  # noqa: E402
-
-
 def write_shards(directory: Path, shards: int, rows: int) -> str:
     """``shards`` tar files holding ``rows`` samples in all (``id``, a feature vector ``x``, a label); their URLs."""
+    _require("webdataset")
+    import webdataset as wds
+
     directory.mkdir(parents=True, exist_ok=True)
     for shard in range(shards):
         with wds.TarWriter(str(directory / f"shard-{shard:06d}.tar")) as sink:
@@ -62,6 +65,29 @@ def write_shards(directory: Path, shards: int, rows: int) -> str:
 
 def rename(sample: dict[str, Any]) -> dict[str, Any]:
     return {"id": sample["id.cls"], "x": sample["x.npy"], "label": sample["label.cls"]}
+
+
+def expand(urls: str) -> list[str]:
+    """Local paths from webdataset's brace notation (``shard-{000000..000007}.tar``; several braces multiply)."""
+    found = re.search(r"\{(\d+)\.\.(\d+)\}", urls)
+    if found is None:
+        return [urls]
+    first, last = found.group(1), found.group(2)
+    return [
+        path
+        for n in range(int(first), int(last) + 1)
+        for path in expand(urls[: found.start()] + str(n).zfill(len(first)) + urls[found.end() :])
+    ]
+
+
+def dataset_of(args: argparse.Namespace) -> Any:
+    if not args.pipeline:  # checkpoints exactly and elastically
+        return Sharded(expand(args.urls), TarReader(transform=rename), rows=args.chunk_rows, shuffle_shards=False)
+    _require("webdataset")
+    import webdataset as wds
+
+    source = wds.WebDataset(args.urls, nodesplitter=None, shardshuffle=False, empty_check=False).decode()
+    return Chunked(source, rows=args.chunk_rows, transform=rename)  # no checkpoint: a pipeline has no state
 
 
 def main() -> None:
@@ -78,6 +104,9 @@ def main() -> None:
     parser.add_argument("--num-writers", type=int, default=2)
     parser.add_argument("--queue", default="wds-recipe")
     parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--pipeline", action="store_true", help="read through a webdataset pipeline (no checkpoint)")
+    parser.add_argument("--resume", help="a checkpoint of --save to load right after building the loader")
+    parser.add_argument("--save", help="save loader.state_dict() to this path + .rank<N> after the last batch")
     args = parser.parse_args()
     if args.write_shards is not None:
         print(write_shards(args.write_shards, args.shards, args.rows))
@@ -93,10 +122,10 @@ def main() -> None:
         num_readers=1,
         redis_url=args.redis_url,
     )
-    source = wds.WebDataset(args.urls, nodesplitter=None, shardshuffle=False, empty_check=False).decode()
-    dataset = Chunked(source, rows=args.chunk_rows, transform=rename)
     ids: set[int] = set()
-    with MultiprocessShuffledDataloader(dataset, config) as loader:
+    with MultiprocessShuffledDataloader(dataset_of(args), config) as loader:
+        if args.resume:
+            loader.load_state_dict(torch.load(f"{args.resume}.rank{config.global_rank}", weights_only=False))
         it = iter(loader)
         for _ in range(args.batches):
             group = next(it)[0]
@@ -105,6 +134,8 @@ def main() -> None:
             ids.update(group["id"].tolist())
             if 0 < args.distinct <= len(ids):
                 break
+        if args.save:
+            torch.save(loader.state_dict(), f"{args.save}.rank{config.global_rank}")
         writers = len(loader.child_pids()["writer"])
         print(json.dumps({"rank": config.global_rank, "ids": sorted(ids), "writers": writers, "seed": loader.seed}))
 

@@ -3,7 +3,8 @@
 :class:`Sharded` reads shards (local files) through a reader: ``reader(path) -> (rows, read)`` where ``read(start,
 stop)`` returns rows ``[start, stop)`` of the shard as a chunk, ``list[dict[str, Tensor]]``. Ready-made readers:
 :class:`ParquetReader` (pyarrow, row group by row group), :class:`NpyReader` (a ``.npy`` array, memory-mapped) and
-:class:`PtReader` (a ``.pt`` dict of tensors). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
+:class:`PtReader` (a ``.pt`` dict of tensors); :class:`gigashuffle.tarshards.TarReader` reads webdataset tar shards
+(NOTE [ Tar shards ]). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
 of every rank, NOTE [ Splitting a source ]) reads the shards ``s % G == g``, in chunks of ``rows`` rows within one
 shard. The source is finite: each ``iter()`` is one pass, every row once, and the next ``iter()`` is the next pass.
 Its state is a cursor per shard (NOTE [ Shard cursor ] in gigashuffle/shardcursor.py) with the pass number in it;

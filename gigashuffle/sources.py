@@ -20,50 +20,18 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
 from gigashuffle.errors import CheckpointError
 from gigashuffle.shards import NpyReader, ParquetReader, PtReader, Sharded
+from gigashuffle.sourcechecks import has_state, node_split_of, shuffle_buffer_of, stages_named, why_stateless
+from gigashuffle.stacking import Chunk, default_fields, stack
+from gigashuffle.tarshards import TarReader
 
-__all__ = ["Chunk", "Chunked", "NpyReader", "ParquetReader", "PtReader", "Sharded", "chunks", "reshard_of"]
-
-Chunk = list[dict[str, torch.Tensor]]
-
-
-def node_split_of(source: Any) -> str | None:
-    """How ``source`` is already split by node or rank, in words, or None if it is not (as far as we can tell)."""
-    distributed = getattr(source, "_distributed", None)  # set by datasets.distributed.split_dataset_by_node
-    if distributed is not None:
-        return (
-            f"it was split with datasets.distributed.split_dataset_by_node(rank={getattr(distributed, 'rank', '?')}, "
-            f"world_size={getattr(distributed, 'world_size', '?')})"
-        )
-    if _stages_named(source, "split_by_node"):
-        return "its pipeline has webdataset.split_by_node"
-    return None
-
-
-def _stages_named(source: Any, name: str) -> bool:
-    """Whether a webdataset pipeline (its ``pipeline`` list of stages) has a stage called ``name``."""
-    stages = getattr(source, "pipeline", None)
-    if not isinstance(stages, list):
-        return False
-    return any(getattr(stage, "__name__", None) == name for stage in stages)
-
-
-def _as_tensor(key: str, value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (np.ndarray, np.generic, bool, int, float)) or (
-        isinstance(value, (list, tuple)) and not any(isinstance(v, (str, bytes)) for v in value)
-    ):
-        return torch.as_tensor(value)
-    raise TypeError(
-        f"Chunked: sample field {key!r} is a {type(value).__name__}, which has no tensor form; pass fields=(...) "
-        "naming only numeric fields, or decode it first (e.g. webdataset's .decode(), datasets' .map())"
-    )
+__all__ = [
+    "Chunk", "Chunked", "NpyReader", "ParquetReader", "PtReader", "Sharded", "TarReader", "chunks", "reshard_of",
+]  # fmt: skip
 
 
 def chunks(samples: Iterable[Mapping[str, Any]], rows: int, fields: Sequence[str] | None = None) -> Iterator[Chunk]:
@@ -78,26 +46,13 @@ def chunks(samples: Iterable[Mapping[str, Any]], rows: int, fields: Sequence[str
     keys: Sequence[str] | None = fields
     for sample in samples:
         if keys is None:
-            keys = [k for k in sample if not k.startswith("__")]
+            keys = default_fields(sample)
         pending.append(sample)
         if len(pending) == rows:
-            yield _stack(pending, keys)
+            yield stack(pending, keys)
             pending = []
     if pending and keys is not None:
-        yield _stack(pending, keys)
-
-
-def _stack(samples: list[Mapping[str, Any]], keys: Sequence[str]) -> Chunk:
-    group: dict[str, torch.Tensor] = {}
-    for key in keys:
-        try:
-            values = [_as_tensor(key, sample[key]) for sample in samples]
-        except KeyError as exc:
-            raise KeyError(
-                f"Chunked: a sample has no field {key!r}; every sample must have the fields {list(keys)}"
-            ) from exc
-        group[key] = torch.stack(values)
-    return [group]
+        yield stack(pending, keys)
 
 
 class Chunked(IterableDataset):  # type: ignore[type-arg]
@@ -105,7 +60,9 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
 
     ``source`` is iterated afresh for each pass in each writer, so it must be picklable and split itself by
     ``get_worker_info()`` (Hugging Face ``IterableDataset`` and webdataset do), never by node: see
-    NOTE [ Splitting a source ]. ``transform`` maps each sample before it is stacked.
+    NOTE [ Splitting a source ]. ``transform`` maps each sample before it is stacked. ``pass_field``, if set, adds
+    an int64 field of that name holding each row's pass number (each ``iter()`` is a pass) and puts the pass
+    number in the state (NOTE [ Chunked state ]).
     """
 
     def __init__(
@@ -114,6 +71,7 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
         rows: int,
         fields: Sequence[str] | None = None,
         transform: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        pass_field: str | None = None,
     ) -> None:
         split = node_split_of(source)
         if split is not None:
@@ -123,7 +81,7 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
                 "1/world_size of the data; pass the unsplit source (see NOTE [ Splitting a source ] in "
                 "gigashuffle.sources)"
             )
-        if _stages_named(source, "single_node_only") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if stages_named(source, "single_node_only") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(
                 "Chunked: the source is a webdataset pipeline with the default nodesplitter=single_node_only, which "
                 "fails under torchrun with WORLD_SIZE > 1; pass WebDataset(..., nodesplitter=None): gigashuffle "
@@ -135,22 +93,65 @@ class Chunked(IterableDataset):  # type: ignore[type-arg]
         self.rows = rows
         self.fields = tuple(fields) if fields is not None else None
         self.transform = transform
+        self.pass_field = pass_field
+        self._pass = 0
+        self._ended = False  # the last pass ended: the next iter() is the next pass
+        # A state loaded and not read from yet (the source may still report its old one): (state,) or ().
+        self._loaded: tuple[Any, ...] = ()
 
     def state_dict(self) -> Any:
-        """The source's ``state_dict()``: a chunk is stacked from samples the source has yielded, so between two
-        chunks the source's position is exactly past the last chunk (``loader.state_dict()`` asks then)."""
-        return _stateful_source(self.source).state_dict()
+        """The source's ``state_dict()`` (with ``pass_field``, ``{"pass": n, "source": ...}``): a chunk is stacked
+        from samples the source has yielded, so between two chunks the source's position is exactly past the last
+        chunk (``loader.state_dict()`` asks then). NOTE [ Chunked state ]."""
+        source = _stateful_source(self.source)
+        inner = self._loaded[0] if self._loaded else source.state_dict()
+        return inner if self.pass_field is None else {"pass": self._pass, "source": inner}
 
     def load_state_dict(self, state: Any) -> None:
         """Hand ``state`` to the source; the next ``iter(self)`` reads on from there."""
-        _stateful_source(self.source).load_state_dict(state)
+        source = _stateful_source(self.source)
+        if self.pass_field is not None:
+            if not (isinstance(state, dict) and set(state) == {"pass", "source"} and _count(state["pass"])):
+                raise CheckpointError(
+                    f"Chunked.load_state_dict: with pass_field={self.pass_field!r} the state must be "
+                    f"{{'pass': int, 'source': ...}} as state_dict() returns it, got {type(state).__name__} "
+                    f"{str(state)[:80]!r}; resume with the same pass_field the checkpoint was taken with"
+                )
+            self._pass, state = state["pass"], state["source"]
+        source.load_state_dict(state)
+        self._loaded, self._ended = (state,), False
 
     def __iter__(self) -> Iterator[Chunk]:
+        if self._ended:
+            self._pass, self._ended = self._pass + 1, False
+        self._loaded = ()  # the source reads from here on: its own state_dict() is current again
         samples: Iterable[Mapping[str, Any]] = self.source
         if self.transform is not None:
             samples = map(self.transform, samples)
-        yield from chunks(samples, self.rows, self.fields)
+        for chunk in chunks(samples, self.rows, self.fields):
+            yield chunk if self.pass_field is None else _tagged(chunk, self.pass_field, self._pass)
         _forget_loaded_state(self.source)
+        self._ended = True
+
+
+# NOTE [ Chunked state ]
+# The writer asks a dataset's state_dict() between chunks, also right after load_state_dict() and before the next
+# chunk. A Hugging Face IterableDataset's state_dict() answers its last *iterated* state until an iteration starts
+# (load_state_dict only notes the state to start from), so Chunked answers the loaded state itself until its next
+# pass reads: else a cut or a respawn in that window would resume from the stale state. The pass number (with
+# pass_field) counts iter() calls; a pass ends with the source at its end, and a state taken then is still of that
+# pass: loading it reads an empty rest of the pass, then the next one. So the pass moves on when the next iter()
+# starts, never at the end of one, and a resume of any state reads every row once per pass.
+
+
+def _tagged(chunk: Chunk, field: str, pass_: int) -> Chunk:
+    group = chunk[0]
+    n = len(next(iter(group.values())))
+    return [{**group, field: torch.full((n,), pass_, dtype=torch.int64)}, *chunk[1:]]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _forget_loaded_state(source: Any) -> None:
@@ -162,12 +163,8 @@ def _forget_loaded_state(source: Any) -> None:
 
 
 def _stateful_source(source: Any) -> Any:
-    if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
-        raise CheckpointError(
-            f"Chunked: its source {type(source).__name__} has no state_dict()/load_state_dict(), so the loader "
-            "cannot checkpoint it; use a source that has them (a Hugging Face datasets IterableDataset does: "
-            "Dataset.to_iterable_dataset(num_shards=...)), or implement them on the source"
-        )
+    if not has_state(source) or shuffle_buffer_of(source) is not None:
+        raise CheckpointError(f"Chunked: the loader cannot checkpoint it: {why_stateless(source)}")
     return source
 
 
@@ -175,13 +172,7 @@ def missing_state_methods(dataset: Any) -> str | None:
     """Why ``dataset`` cannot be checkpointed, in words, or None if it has ``state_dict``/``load_state_dict``."""
     if isinstance(dataset, Chunked):
         source = dataset.source
-        if callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None)):
-            return None
-        return (
-            f"its source {type(source).__name__} has no state_dict()/load_state_dict(); use a source that has "
-            "them (a Hugging Face datasets IterableDataset, e.g. Dataset.to_iterable_dataset(num_shards=...)), or "
-            "implement them on the source"
-        )
+        return None if has_state(source) and shuffle_buffer_of(source) is None else why_stateless(source)
     missing = [name for name in ("state_dict", "load_state_dict") if not callable(getattr(dataset, name, None))]
     if not missing:
         return None
@@ -196,6 +187,8 @@ def reshard_of(dataset: Any) -> Callable[..., list[Any]] | None:
     """The dataset's ``reshard_states`` (NOTE [ Elastic resume ] in trainer/elastic.py), a :class:`Chunked`'s taken
     from its source (a chunk's rows are the source's samples, so a skip of rows is a skip of samples); None if it
     has none."""
+    if isinstance(dataset, Chunked) and dataset.pass_field is not None:
+        return None  # its states wrap the source's: the source's reshard_states cannot take them
     owner = dataset.source if isinstance(dataset, Chunked) else dataset
     reshard = getattr(owner, "reshard_states", None)
     return reshard if callable(reshard) else None

@@ -9,18 +9,28 @@ its next checkpoint) and SIGKILLs itself. With ``--kill-writer-at N`` it SIGKILL
 the earlier segments counted) came, then ``P`` rows more (a repeat would show), within ``--max-seconds``; everything
 it reads counts. (Its writers may be served unevenly, so a fixed number of rows would not do.)
 
+``--dataset`` picks the source, all with the same ids and a ``pass`` field: ``ids`` (the dataset above), ``hf`` (the
+README's Hugging Face recipe: ``Chunked`` over ``load_dataset("parquet", ..., streaming=True)`` of the parquet shards
+in ``--data``) or ``tar`` (the webdataset recipe: ``Sharded`` over the tar shards in ``--data`` with ``TarReader``);
+:func:`write_shards` makes those shards.
+
 It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import signal
+import sys
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -52,6 +62,58 @@ class FiniteIds(IterableDataset):  # type: ignore[type-arg]
         self.passes, self.pos = self.passes + 1, 0
 
 
+SHARDS = 4  # files per pass for --dataset hf/tar: at least the job's writers (2), as the recipes ask
+
+
+def write_shards(kind: str, directory: Path, ids: int) -> None:
+    """The ids of a pass (``w * STRIDE + i`` for 2 writers' worth, ``i < ids``) in ``SHARDS`` files in
+    ``directory``: parquet (``kind="hf"``) or webdataset tar shards (``"tar"``: ``<key>.id.cls``, ``<key>.x.npy``)."""
+    every = [w * STRIDE + i for w in range(2) for i in range(ids)]
+    directory.mkdir(parents=True, exist_ok=True)
+    for shard in range(SHARDS):
+        part = every[shard::SHARDS]
+        if kind == "hf":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"id": part}), directory / f"part-{shard}.parquet", row_group_size=7)
+            continue
+        with tarfile.open(directory / f"shard-{shard}.tar", "w") as tar:
+            for i in part:
+                x = io.BytesIO()
+                np.save(x, np.array([i], dtype=np.int64))
+                for name, data in ((f"{i:08d}.id.cls", str(i).encode()), (f"{i:08d}.x.npy", x.getvalue())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+def _tar_row(sample: Mapping[str, Any]) -> dict[str, Any]:
+    if int(sample["x.npy"][0]) != sample["id.cls"]:
+        raise AssertionError(f"a sample's members are torn: {sample}")
+    return {"id": sample["id.cls"]}
+
+
+def _dataset(args: argparse.Namespace) -> Any:
+    if args.dataset == "ids":
+        return FiniteIds(args.ids, args.chunk)
+    files = sorted(str(p) for p in Path(args.data).iterdir())
+    if args.dataset == "tar":
+        from gigashuffle.sources import Sharded, TarReader
+
+        return Sharded(files, TarReader(transform=_tar_row), rows=args.chunk, pass_field="pass")
+    # tests/integration/datasets.py would shadow Hugging Face's package (it is this script's directory), in this
+    # process and in the loader's, which take this sys.path.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    from datasets import load_dataset
+
+    from gigashuffle.sources import Chunked
+
+    source = load_dataset("parquet", data_files=files, split="train", streaming=True).with_format("torch")
+    return Chunked(source, rows=args.chunk, fields=("id",), pass_field="pass")
+
+
 def _record(batch: list[dict[str, torch.Tensor]]) -> list[tuple[int, int]]:
     group = batch[0]
     return list(zip(group["id"].tolist(), group["pass"].tolist(), strict=True))
@@ -74,11 +136,13 @@ def main() -> None:
     p.add_argument("--bs", type=int, default=16)
     p.add_argument("--shuffle-size", type=int, default=256)
     p.add_argument("--max-seconds", type=float, default=240.0)
+    p.add_argument("--dataset", choices=("ids", "hf", "tar"), default="ids")
+    p.add_argument("--data", default="", help="the shards' directory for --dataset hf/tar (write_shards)")
     args = p.parse_args()
     cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=2,
                            num_readers=2, redis_url=args.redis_url, max_restarts=3)  # fmt: skip
     deadline = time.monotonic() + args.max_seconds
-    loader = MultiprocessShuffledDataloader(FiniteIds(args.ids, args.chunk), cfg)
+    loader = MultiprocessShuffledDataloader(_dataset(args), cfg)
     if args.resume:
         loader.load_state_dict(torch.load(args.resume, weights_only=False))
     it = iter(loader)

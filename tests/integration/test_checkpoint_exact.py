@@ -24,11 +24,11 @@ _SEGMENT_S = 240
 def _segment(redis_url: str, queue: str, out: Path, *args: str, failpoint: str = "") -> str:
     """One segment; every segment of a scenario uses one queue (a checkpoint of another queue is refused).
     ``failpoint``: armed in its children (gigashuffle/procs/failpoints.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path]), "HF_DATASETS_OFFLINE": "1",
+           "HF_HOME": str(out.parent / "hf-home")}  # fmt: skip
     if failpoint:
         env["GIGASHUFFLE_FAILPOINTS"] = failpoint
-    cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", queue,
-           "--out", str(out), "--ids", str(IDS), "--shuffle-size", str(SHUFFLE), *args]  # fmt: skip
+    cmd = [sys.executable, str(JOB), "--redis-url", redis_url, "--queue", queue, "--out", str(out), *args]
     done = subprocess.run(cmd, env=env, timeout=_SEGMENT_S, check=False, capture_output=True, text=True)
     return done.stderr[-3000:]
 
@@ -39,8 +39,23 @@ def _read(path: Path) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line.strip())]
 
 
-def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1, failpoint: str = "") -> tuple[int, int, int]:
-    """(lost, twice, counted) over the ids of pass 0. ``failpoint``: ``<point>=<n>``, armed in segment 1, once."""
+def run_scenario(
+    redis_url: str,
+    tmp: Path,
+    kill_writer_in: int = -1,
+    failpoint: str = "",
+    dataset: tuple[str, ...] = (),
+    ids: int = IDS,
+    shuffle: int = SHUFFLE,
+    before: int = 30,
+    after: int = 12,
+    drain_s: float = 90,
+) -> tuple[int, int, int]:
+    """(lost, twice, counted) over the ids of pass 0. ``failpoint``: ``<point>=<n>``, armed in segment 1, once.
+    ``dataset``: checkpoint_job.py's ``--dataset``/``--data`` arguments (default: its own finite dataset);
+    ``drain_s``: how long the last segment waits for the ids not yet counted (a lost one never comes: it stops then,
+    before the segment's own timeout)."""
+    sizes = ("--ids", str(ids), "--shuffle-size", str(shuffle), *dataset)
     ckpt = ""
     queue = f"ckpt-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
@@ -48,19 +63,19 @@ def run_scenario(redis_url: str, tmp: Path, kill_writer_in: int = -1, failpoint:
         save = tmp / f"ckpt{seg}.pt"
         kill = ["--kill-writer-at", "15"] if seg == kill_writer_in else []
         armed = f"{failpoint}:{tmp / 'fired'}" if failpoint and seg == 1 else ""
-        log = _segment(redis_url, queue, tmp / f"seg{seg}", "--before", "30", "--after", "12", "--save", str(save),
-                 *(["--resume", ckpt] if ckpt else []), *kill, failpoint=armed)  # fmt: skip
+        log = _segment(redis_url, queue, tmp / f"seg{seg}", *sizes, "--before", str(before), "--after", str(after),
+                       "--save", str(save), *(["--resume", ckpt] if ckpt else []), *kill, failpoint=armed)  # fmt: skip
         assert not armed or (tmp / "fired").exists(), f"fail point {failpoint} never fired in segment {seg}:\n{log}"
         assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _read(tmp / f"seg{seg}.before")
         ckpt = str(save)
     (tmp / "counted").write_text(" ".join(str(i) for i, ps in counted if ps == 0))
-    log = _segment(redis_url, queue, tmp / "last", "--resume", ckpt, "--before", "0", "--counted", str(tmp / "counted"),
-                   "--drain-past", str(4 * SHUFFLE), "--max-seconds", "90")  # fmt: skip
+    log = _segment(redis_url, queue, tmp / "last", *sizes, "--resume", ckpt, "--before", "0", "--counted",
+                   str(tmp / "counted"), "--drain-past", str(4 * shuffle), "--max-seconds", str(drain_s))  # fmt: skip
     counted += _read(tmp / "last.before")
     assert "Traceback" not in log, log
     seen = collections.Counter(i for i, ps in counted if ps == 0)
-    everything = {w * STRIDE + i for w in range(2) for i in range(IDS)}
+    everything = {w * STRIDE + i for w in range(2) for i in range(ids)}
     assert set(seen) <= everything
     lost = len(everything - set(seen))
     twice = sum(1 for n in seen.values() if n > 1)

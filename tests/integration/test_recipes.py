@@ -1,12 +1,13 @@
 """The README's data-source recipes, run as users run them, on data built here: ``examples/hf_datasets.py`` (a
-Hugging Face ``datasets`` IterableDataset) and ``examples/webdataset_shards.py`` (webdataset tar shards), each as a
-two-rank job with fewer shards than the job has writers; ``gigashuffle.sources.Chunked`` refusing a source that is
-already split by node; a writer whose share is empty idling instead of failing; and a writer's reservation of
-empty slots for its next chunk, held while its source waits and given back before it idles.
+Hugging Face ``datasets`` IterableDataset) and ``examples/webdataset_shards.py`` (webdataset tar shards, read by
+``Sharded`` + ``TarReader`` or through a webdataset pipeline), each as a two-rank job with fewer shards than the job
+has writers; ``gigashuffle.sources.Chunked`` refusing a source that is already split by node, and a webdataset
+pipeline's checkpoint refused with the fix named; a writer whose share is empty idling instead of failing; and a
+writer's reservation of empty slots for its next chunk, held while its source waits and given back before it idles.
 
 The recipes run as subprocesses (ranks 0 and 1, one per simulated node, ``RANK``/``WORLD_SIZE`` in their
 environment as torchrun sets them): the helper module next to this file is also called ``datasets`` and would
-shadow Hugging Face's package in this process.
+shadow Hugging Face's package in this process. Their checkpoints are tested in test_checkpoint_recipes.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from datasets import (
 )
 
 import gigashuffle
-from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
+from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
 from gigashuffle.sources import Chunked, chunks
 
 REPO_ROOT = Path(gigashuffle.__file__).resolve().parent.parent
@@ -112,8 +113,13 @@ def test_hugging_face_recipe_splits_the_shards_over_every_writer_of_the_job(redi
     _check_job_wide_split(results)
 
 
+@pytest.mark.parametrize("form", ["sharded", "pipeline"])
 @pytest.mark.usefixtures("runtime_dir")
-def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(redis_url: str, tmp_path: Path) -> None:
+def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(
+    redis_url: str, tmp_path: Path, form: str
+) -> None:
+    """Both forms of the recipe: ``Sharded`` + ``TarReader`` (the default, checkpointable) and a webdataset
+    pipeline in ``Chunked`` (``--pipeline``): the same rows, split the same way."""
     made = subprocess.run(
         [sys.executable, str(EXAMPLES / "webdataset_shards.py"), "--write-shards", str(tmp_path / "shards"),
          "--shards", "3", "--rows", "60"],
@@ -122,10 +128,30 @@ def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(redis_
     assert made.returncode == 0, made.stderr
     urls = made.stdout.strip()
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{i:06d}.tar" for i in range(3)]
+    pipeline = ["--pipeline"] if form == "pipeline" else []
     results = _run_ranks(
-        EXAMPLES / "webdataset_shards.py", ["--urls", urls, *_recipe_args(redis_url)], tmp_path, RANK_ARGS
+        EXAMPLES / "webdataset_shards.py", ["--urls", urls, *pipeline, *_recipe_args(redis_url)], tmp_path, RANK_ARGS
     )
     _check_job_wide_split(results)
+
+
+def test_a_webdataset_pipeline_cannot_checkpoint_and_the_error_names_the_tar_reader(
+    redis_url: str, tmp_path: Path
+) -> None:
+    made = subprocess.run(
+        [sys.executable, str(EXAMPLES / "webdataset_shards.py"), "--write-shards", str(tmp_path), "--shards", "1",
+         "--rows", "32"],
+        env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    source = wds.WebDataset(made.stdout.strip(), nodesplitter=None, shardshuffle=False, empty_check=False).decode()
+    dataset = Chunked(source, rows=4, transform=lambda s: {"id": s["id.cls"]})
+    cfg = DataloaderConfig(bs=4, shuffle_size=32, queue_name=f"wds-state-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=1, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(dataset, cfg) as loader:
+        with pytest.raises(CheckpointError, match=r"webdataset pipeline .*Sharded\(shards, TarReader\("):
+            loader.state_dict()
+        assert take(iter(loader), 1)[0][0]["id"].shape == (4,), "the loader reads on after the refusal"
 
 
 def test_a_hugging_face_dataset_split_by_node_is_refused(tmp_path: Path) -> None:
@@ -250,14 +276,18 @@ def test_fill_once_fills_every_slot_while_one_writer_waits_for_data(redis_url: s
 
 
 @pytest.mark.parametrize(
-    ("script", "package"), [("hf_datasets.py", "datasets"), ("webdataset_shards.py", "webdataset")]
+    ("script", "package", "args"),
+    [("hf_datasets.py", "datasets", []), ("webdataset_shards.py", "webdataset", ["--write-shards", "/nonexistent"])],
 )
-def test_a_recipe_without_its_package_says_what_to_install_in_one_line(script: str, package: str) -> None:
+def test_a_recipe_without_its_package_says_what_to_install_in_one_line(
+    script: str, package: str, args: list[str]
+) -> None:
     """A missing ``datasets`` or ``webdataset`` surfaced as an ImportError traceback (under torchrun, as its
-    ChildFailedError): the recipe now names the package in one line and exits with code 2."""
+    ChildFailedError): the recipe now names the package in one line and exits with code 2. (The webdataset recipe
+    reads tar shards without the package; it needs it to write them.)"""
     path = EXAMPLES / script
     hide_and_run = (
-        f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = [{str(path)!r}]; "
+        f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = [{str(path)!r}, *{args!r}]; "
         f"runpy.run_path({str(path)!r}, run_name='__main__')"
     )
     done = subprocess.run(
