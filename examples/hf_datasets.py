@@ -15,7 +15,11 @@ The data is built here (``Dataset.from_dict``) so that the recipe runs offline; 
 * give it at least as many shards as the job has writers (``WORLD_SIZE * num_writers``); a writer left without a
   shard idles instead of failing, but it reads nothing;
 * ``Chunked`` groups the per-sample dicts into chunks of ``--chunk-rows`` rows and stacks each field
-  (``with_format("torch")`` or ``"numpy"`` gives arrays; plain Python numbers work too).
+  (``with_format("torch")`` or ``"numpy"`` gives arrays; plain Python numbers work too);
+* checkpoints: ``loader.state_dict()`` holds each writer's ``IterableDataset.state_dict()`` and resumes exactly on
+  the same world size and ``num_writers`` (not on another: use ``Sharded`` + ``ParquetReader`` for that), as long
+  as the source is not ``.shuffle()``d (its shuffle buffer is not in its state; gigashuffle shuffles already).
+  docs/data-sources.md says what each recipe guarantees.
 
 It prints one JSON line: the ids this rank read, the worker ids they came from, and the loader's seed.
 """
