@@ -61,7 +61,7 @@ def run_scenario(
     counted: list[tuple[int, int]] = []
     for seg in range(3):
         save = tmp / f"ckpt{seg}.pt"
-        kill = ["--kill-writer-at", "15"] if seg == kill_writer_in else []
+        kill = ["--kill-writer-at", str(before // 2)] if seg == kill_writer_in else []
         armed = f"{failpoint}:{tmp / 'fired'}" if failpoint and seg == 1 else ""
         log = _segment(redis_url, queue, tmp / f"seg{seg}", *sizes, "--before", str(before), "--after", str(after),
                        "--save", str(save), *(["--resume", ckpt] if ckpt else []), *kill, failpoint=armed)  # fmt: skip
