@@ -39,15 +39,12 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-import torch
-
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
-from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
+from gigashuffle.trainer.savedrows import SavedRows
 from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -64,20 +61,23 @@ def exact(config: DataloaderConfig) -> bool:
 def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[list[DatasetState], dict[str, Any]]:
     """Pause this rank's writers and readers (and, through the node barrier, wait for the node's other ranks to
     pause theirs), read the states and the undelivered rows, resume them."""
-    started = time.monotonic()
-    deadline = started + timeout_s
+    deadline = time.monotonic() + timeout_s
     pause = exact(config)
     if not pause:
         _warn_inexact(config)
+    copy_buffer = config.local_rank == 0
+    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (trainer/savedrows.py).
+    saved = SavedRows(sup, copy_buffer=copy_buffer) if pause else None
+    started = time.monotonic()  # the pause starts here
     number = sup.start_cut(pause)
     barrier = _barrier(sup, config) if pause else None
     try:
         answers = _writer_states(sup, config, deadline, pause)
         rows: dict[str, Any] = {}
-        if pause:
+        if saved is not None:
             _pause_readers(sup, config, deadline)
             _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
-            rows = _saved_rows(sup, answers, copy_buffer=config.local_rank == 0)
+            rows = saved.take(sup, answers, copy_buffer=copy_buffer)
             _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
         return answers, rows
     finally:
@@ -175,46 +175,3 @@ def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -
                 "in time"
             )
         sup.pump(_POLL_S)
-
-
-def _saved_rows(sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> dict[str, Any]:
-    """The rows of every full slot of the buffer (``copy_buffer``: one rank of a node copies it), of every batch
-    announced and not handed out, and those of the last checkpoint that a writer had not yet put back.
-
-    Each row is copied once, straight into its place in the saved tensors: this copy is most of the cut's pause."""
-    table = sup.table() if copy_buffer else None
-    if failpoints.ACTIVE and table is not None:
-        failpoints.reached("cut.before_buffer_copy")
-    arrays: list[list[Any]] = []  # per source, per field: rows to copy as they are
-    layout_json = ""
-    for answer in answers:
-        if answer.rows and len(answer.rows[0]):
-            arrays.append([np.asarray(f) for f in answer.rows])
-            layout_json = answer.layout_json
-    for child, k in sup.inbox.waiting():
-        if child.ring is None:
-            raise AssertionError("a batch announced by a reader without a ring")
-        arrays.append([f.numpy() for f in child.ring.regions(k)[0]])
-        layout_json = layout_json or child.ring.layout.to_json()
-    buffer, ids = None, np.empty(0, dtype=np.int64)
-    if table is not None:
-        buffer = sup.node_table.rows()
-        layout_json = buffer.layout.to_json()
-        ids = table.full_ids()
-    total = len(ids) + sum(len(fields[0]) for fields in arrays)
-    if not total:
-        return {}
-    widths = (
-        [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in arrays[0]]
-    )
-    views = [np.empty((total, width), dtype=np.uint8) for width in widths]
-    out = [torch.from_numpy(v) for v in views]
-    if buffer is not None and len(ids):
-        buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
-    at = len(ids)
-    for fields in arrays:
-        n = len(fields[0])
-        for view, rows in zip(views, fields, strict=True):
-            view[at : at + n] = rows
-        at += n
-    return {"layout": layout_json, "fields": out}

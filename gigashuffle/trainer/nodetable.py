@@ -23,6 +23,7 @@ from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
+from gigashuffle.shm.prefault import fault_in_for_read
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,19 @@ _ATTACH_TABLE_S = 2.0
 class TableView:
     """The node's slot table as the trainer sees it: mapped on first use, closed with the loader."""
 
-    def __init__(self, config: DataloaderConfig, session: NodeSession, runtime_path: Path) -> None:
+    def __init__(
+        self, config: DataloaderConfig, session: NodeSession, runtime_path: Path, *, map_rows: bool = False
+    ) -> None:
         self._config = config
         self._session = session
         self._secret = node_secret(runtime_path)
         self._table: SlotTable | None = None
-        self._buffer: SlotBuffer | None = None  # mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ])
+        # Mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ]): with ``map_rows`` (the rank that copies
+        # the buffer at a checkpoint) together with the table, from the same fds, so that no checkpoint's pause
+        # waits for an attach round trip; else on first use.
+        self._map_rows = map_rows
+        self._buffer: SlotBuffer | None = None
+        self._faulted_in = False  # the buffer's and the table's pages are mapped into this process (rows_for_cut)
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned
 
     def get(self) -> SlotTable | None:
@@ -57,10 +65,9 @@ class TableView:
         except AttachError as exc:
             log.debug("slot table not mapped yet: %s", exc)
             return
-        os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
         slots = self._config.shuffle_size
         self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
-        self._keep_meta()
+        self._keep_meta(buffer_fd)  # closes buffer_fd, or keeps the buffer mapped from it (map_rows)
 
     def rows(self) -> SlotBuffer:
         """The node's buffer itself, mapped on first use: the trainer reads rows from it only for a checkpoint."""
@@ -75,6 +82,19 @@ class TableView:
                 self._buffer = SlotBuffer(layout, self._config.shuffle_size, SharedMemory(nbytes, buffer_fd))
                 self._buffer.memory.close_fd()
         return self._buffer
+
+    def rows_for_cut(self) -> SlotBuffer:
+        """``rows()``, with every page of the buffer and of the table mapped into this process: on the first call
+        (one ``madvise`` each), before a checkpoint's pause, so the copy in the pause takes no page fault on
+        them (NOTE [ Faulting in before the pause ] in shm/prefault.py). Later calls find them mapped."""
+        buffer = self.rows()
+        if not self._faulted_in:
+            self._faulted_in = True
+            buffer_bytes = buffer.memory.numpy_view(0, buffer.nbytes)
+            fault_in_for_read(buffer_bytes)
+            if self._table is not None:
+                fault_in_for_read(self._table.state)
+        return buffer
 
     def counts(self) -> NodeCounts | None:
         """The table's counts for the heartbeat (its thread; the table locks against ours)."""
@@ -95,15 +115,30 @@ class TableView:
             store = self._session.store
             store.publish_meta(signed_meta(self._secret, store.generation, self._meta_fields))
 
-    def _keep_meta(self) -> None:
-        store = self._session.store
-        meta = store.meta()
+    def _keep_meta(self, buffer_fd: int) -> None:
+        """Keep the buffer's verified metadata; with ``map_rows`` map the buffer from ``buffer_fd`` too (a
+        virtual mapping: nothing is touched until a checkpoint). ``buffer_fd`` is closed either way."""
         try:
-            verified_layout(self._secret, store.generation, meta, self._config.queue_name)
-        except GigashuffleError as exc:
-            log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
-            return
-        self._meta_fields = unsigned_fields(meta)
+            store = self._session.store
+            meta = store.meta()
+            try:
+                layout = verified_layout(self._secret, store.generation, meta, self._config.queue_name)
+            except GigashuffleError as exc:
+                log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
+                return
+            self._meta_fields = unsigned_fields(meta)
+            if self._map_rows and self._buffer is None:
+                try:
+                    memory = SharedMemory(int(meta["nbytes"]), buffer_fd)
+                except ValueError as exc:  # not this metadata's buffer: rows() maps the right one when needed
+                    log.debug("buffer not mapped with the table: %s", exc)
+                    return
+                buffer_fd = -1  # the mapping owns it now
+                memory.close_fd()
+                self._buffer = SlotBuffer(layout, self._config.shuffle_size, memory)
+        finally:
+            if buffer_fd >= 0:
+                os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
 
     def repair_reaped(self, proc_id: str) -> None:
         """Return the slots of a child the zygote reaped (it no longer exists), mapping the table if need be."""

@@ -101,7 +101,10 @@ class Supervisor:
         self.failure: BaseException | None = None
         self._closed = False
         self._restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
-        self.node_table = TableView(config, session, self.runtime_path)
+        # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ]; the
+        # modes of cut.exact()); a dataset without state is never checkpointed.
+        copies = stateful and config.local_rank == 0 and not config.fill_once and config.evict_on_read
+        self.node_table = TableView(config, session, self.runtime_path, map_rows=copies)
         session.counts = self.node_table.counts
         self._specs = ChildSpecs(config, dataset, link, runtime_dir, stateful, self.resume)
         self.seed = self._specs.seed

@@ -1,11 +1,16 @@
-"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py): the pause, ``state_dict()``'s latency, the
-checkpoint's size and the time to the first batch after a resume, on tiny rows (two int64 fields).
+"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py) on each workload of ``gigashuffle bench``:
+the cut's pause (a loader's first checkpoint, and the median of its later ones), ``state_dict()``'s latency, the
+checkpoint's size and saved rows, and the time to the first batch of a loader given the checkpoint against that of
+a fresh loader.
 
-    python -m gigashuffle.tools.bench.checkpoint --shuffle-size 262144 --rounds 3
+    python -m gigashuffle.tools.bench.checkpoint --workload tiny --shuffle-size 1048576 --rounds 2
+    python -m gigashuffle.tools.bench.checkpoint --workload all --rounds 2
 
-One rank, 2 writers, 2 readers, a stateful dataset (its state is a row counter). Each round reads ``--batches``
-batches, takes ``state_dict()``, saves it with ``torch.save``, then a new loader loads it right after construction
-and the time to its first batch is measured. A run without a checkpoint gives the first batch's baseline.
+One rank, 2 writers, 2 readers, a stateful dataset that yields the workload's chunk again and again with fresh ids
+(its state is the writer's count of chunks). Each round: a fresh loader's dummy batch and first batch (the
+baseline); then a loader reads ``--batches`` batches before each of ``--cuts`` checkpoints; the first checkpoint is
+saved with ``torch.save``, and a new loader of the same queue loads it right after construction: its dummy batch
+and first batch are timed. ``--workload counter`` is the 16-byte rows (two int64) of the earlier figures.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import statistics
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.tools.bench.workloads import ID_FIELD, WORKLOADS, Chunk, Workload, make_ids
 from gigashuffle.trainer.datasetstate import rank_key
 
 
@@ -45,61 +52,134 @@ class TinyCounter(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": ids, "x": ids * 3}]
 
 
-def _first_batch_s(cfg: DataloaderConfig, state: dict[str, object] | None) -> float:
+class WorkloadCounter(IterableDataset):  # type: ignore[type-arg]
+    """A workload's chunk, again and again with fresh ids; the state is the writer's count of chunks."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload, self.chunks = workload, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"chunks": self.chunks}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.chunks = int(state["chunks"])
+
+    def __iter__(self) -> Iterator[Chunk]:
+        info = get_worker_info()
+        writer = info.id if info is not None else 0
+        chunk = self.workload.make_chunk(seed=writer)
+        rows = self.workload.chunk_rows
+        while True:
+            chunk[ID_FIELD] = make_ids(writer, self.chunks * rows, rows)
+            self.chunks += 1
+            yield [chunk]  # the writer copies the rows before it asks for the next chunk
+
+
+def dataset_of(workload: str) -> IterableDataset:  # type: ignore[type-arg]
+    return TinyCounter(1024) if workload == "counter" else WorkloadCounter(WORKLOADS[workload])
+
+
+def _start(cfg: DataloaderConfig, workload: str, state: dict[str, Any] | None) -> tuple[float, float]:
+    """Seconds from building a loader (given ``state`` at once, if any) to its dummy batch and to its first batch."""
     t0 = time.perf_counter()
-    with MultiprocessShuffledDataloader(TinyCounter(1024), cfg) as loader:
+    with MultiprocessShuffledDataloader(dataset_of(workload), cfg) as loader:
         if state is not None:
             loader.load_state_dict(state)
+        loader.get_dummy_batch()
+        dummy = time.perf_counter() - t0
         next(iter(loader))
-        return time.perf_counter() - t0
+        return dummy, time.perf_counter() - t0
+
+
+def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, rounds: int, redis_url: str | None
+        ) -> dict[str, list[float]]:  # fmt: skip
+    """Every figure of ``rounds`` rounds, by name (seconds, MB, rows)."""
+
+    def config() -> DataloaderConfig:
+        return DataloaderConfig(bs=bs, shuffle_size=shuffle_size, queue_name=f"bench-ckpt-{uuid.uuid4().hex[:8]}",
+                                num_writers=2, num_readers=2, redis_url=redis_url)  # fmt: skip
+
+    out: dict[str, list[float]] = {}
+
+    def note(name: str, value: float) -> None:
+        out.setdefault(name, []).append(value)
+
+    for _ in range(rounds):
+        dummy, first = _start(config(), workload, None)
+        note("dummy_fresh_s", dummy)
+        note("first_fresh_s", first)
+        cfg = config()  # the resumed loader is of the same queue: a checkpoint of another one is refused
+        blob = io.BytesIO()
+        with MultiprocessShuffledDataloader(dataset_of(workload), cfg) as loader:
+            it = iter(loader)
+            for cut in range(cuts):
+                for _b in range(batches):
+                    next(it)
+                t0 = time.perf_counter()
+                state = loader.state_dict()
+                which = "first" if cut == 0 else "later"
+                note(f"state_dict_{which}_s", time.perf_counter() - t0)
+                note(f"pause_{which}_s", loader._sup.last_cut_s)
+                saved = state[rank_key(cfg.global_rank)]["rows"]
+                note("saved_rows", float(saved["count"]) if saved else 0.0)
+                if cut == 0:
+                    t0 = time.perf_counter()
+                    torch.save(state, blob)
+                    note("save_s", time.perf_counter() - t0)
+                    note("size_mb", blob.tell() / 2**20)
+                del state, saved
+            next(it)  # training goes on after the cut
+        blob.seek(0)
+        dummy, first = _start(cfg, workload, torch.load(blob, weights_only=False))
+        note("dummy_resumed_s", dummy)
+        note("first_resumed_s", first)
+    return out
+
+
+COLUMNS = ("workload", "shuffle_size", "row B", "pause first ms", "pause later ms", "state_dict first ms",
+           "state_dict later ms", "saved rows k", "size MB", "torch.save s", "dummy fresh / resumed s",
+           "first batch fresh / resumed s")  # fmt: skip
+
+
+def row(workload: str, shuffle_size: int, figures: dict[str, list[float]]) -> str:
+    """One markdown table row: medians, and each value of the few first-of-a-loader figures."""
+
+    def each(name: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+        return ", ".join(f"{v * scale:{fmt}}" for v in figures.get(name, []))
+
+    def med(name: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+        values = figures.get(name)
+        return f"{statistics.median(values) * scale:{fmt}}" if values else "-"
+
+    row_bytes = 16 if workload == "counter" else WORKLOADS[workload].row_bytes
+    saved = figures["saved_rows"]
+    cells = [workload, f"{shuffle_size:,}", str(row_bytes), each("pause_first_s", 1e3), med("pause_later_s", 1e3),
+             each("state_dict_first_s", 1e3), med("state_dict_later_s", 1e3),
+             f"{min(saved) / 1e3:.0f}-{max(saved) / 1e3:.0f}", each("size_mb", 1, ".1f"),
+             each("save_s", 1, ".2f"), f"{med('dummy_fresh_s', 1, '.2f')} / {med('dummy_resumed_s', 1, '.2f')}",
+             f"{each('first_fresh_s', 1, '.2f')} / {each('first_resumed_s', 1, '.2f')}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shuffle-size", type=int, default=262144)
-    p.add_argument("--bs", type=int, default=256)
-    p.add_argument("--batches", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workload", choices=[*WORKLOADS, "counter", "all"], default="tiny")
+    p.add_argument("--shuffle-size", type=int, default=None, help="default: the workload's")
+    p.add_argument("--bs", type=int, default=None, help="default: the workload's (counter: 256)")
+    p.add_argument("--batches", type=int, default=100, help="batches read before each checkpoint")
+    p.add_argument("--cuts", type=int, default=4, help="checkpoints per loader (the first maps the buffer)")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--redis-url", default=None)
     args = p.parse_args()
-
-    def config() -> DataloaderConfig:
-        queue = f"bench-ckpt-{uuid.uuid4().hex[:8]}"
-        return DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=queue, num_writers=2,
-                                num_readers=2, redis_url=args.redis_url)  # fmt: skip
-
-    rows: dict[str, list[float]] = {"state_dict_s": [], "pause_s": [], "size_mb": [], "save_s": [], "saved_rows": []}
-    resumed, fresh = [], []
-    for _ in range(args.rounds):
-        fresh.append(_first_batch_s(config(), None))
-        cfg = config()  # the resumed loader is of the same queue: a checkpoint of another one is refused
-        with MultiprocessShuffledDataloader(TinyCounter(1024), cfg) as loader:
-            it = iter(loader)
-            for _b in range(args.batches):
-                next(it)
-            t0 = time.perf_counter()
-            state = loader.state_dict()
-            rows["state_dict_s"].append(time.perf_counter() - t0)
-            rows["pause_s"].append(loader._sup.last_cut_s)
-            saved = state[rank_key(loader.config.global_rank)]["rows"]
-            rows["saved_rows"].append(float(len(saved["fields"][0])) if saved else 0.0)
-            t0 = time.perf_counter()
-            blob = io.BytesIO()
-            torch.save(state, blob)
-            rows["save_s"].append(time.perf_counter() - t0)
-            rows["size_mb"].append(blob.tell() / 2**20)
-            next(it)  # training goes on after the cut
-        blob.seek(0)
-        resumed.append(_first_batch_s(cfg, torch.load(blob, weights_only=False)))
-    print(
-        f"shuffle_size {args.shuffle_size}, bs {args.bs}, 2 writers + 2 readers, tiny rows (16 B), {args.rounds} rounds"
-    )
-    for name, values in rows.items():
-        print(f"  {name:<14} median {statistics.median(values):.4g}  (all: {', '.join(f'{v:.4g}' for v in values)})")
-    print(f"  first batch, fresh loader      median {statistics.median(fresh):.3f} s  {[round(v, 3) for v in fresh]}")
-    print(
-        f"  first batch, resumed loader    median {statistics.median(resumed):.3f} s  {[round(v, 3) for v in resumed]}"
-    )
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    print(f"2 writers + 2 readers, {args.batches} batches before each of {args.cuts} checkpoints, {args.rounds} rounds")
+    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
+    for name in names:
+        spec = WORKLOADS.get(name)
+        shuffle = args.shuffle_size or (spec.shuffle_size if spec else 262144)
+        bs = args.bs or (spec.bs if spec else 256)
+        figures = run(name, shuffle, bs, args.batches, args.cuts, args.rounds, args.redis_url)
+        print(row(name, shuffle, figures), flush=True)
 
 
 if __name__ == "__main__":
