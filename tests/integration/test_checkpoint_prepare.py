@@ -1,6 +1,6 @@
 """A checkpoint's pause is the copy and nothing else (NOTE [ Checkpoint cut ], trainer/savedrows.py): the rank that
 copies the buffer maps it with the slot table, long before a checkpoint, and the arrays made ready before the pause
-are shrunk to the rows saved, so that a checkpoint holds those rows and no byte more."""
+hold the rows saved (tests/unit/test_savedrows.py checks that they are shrunk in place)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_the_buffer_is_mapped_before_the_first_checkpoint_and_saved_rows_have_no
             rows = loader.state_dict()["rank0"]["rows"]
             assert rows["count"] > 0
             for field in rows["fields"]:
-                # What torch.save writes is the storage: the estimate's surplus rows must be gone from it.
+                # The estimate's surplus rows are not part of what torch.save writes.
                 assert field.untyped_storage().nbytes() == rows["count"] * field.shape[1]
             take(batches, 5)
 
