@@ -1,11 +1,12 @@
-"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py), on tiny rows (two int64 fields): the
-latency of ``state_dict()``, the pause it imposes on the node, the checkpoint's size, and the time to the first
-batch of a loader that loads it right after construction.
+"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py) on each workload of ``gigashuffle bench``
+(tiny, tokens, image, each with its own bs and shuffle_size): the latency of ``state_dict()``, the pause it imposes
+on the node, the checkpoint's size, and the time to the first batch of a loader that loads it right after
+construction.
 
-One rank, 2 writers, 2 readers, a 65,536-slot buffer on the embedded Redis (small enough for a 2-core machine; for
-1M slots run ``python -m gigashuffle.tools.bench.checkpoint --shuffle-size 1048576``). Lower is better for every
-figure. The loader is started and mixed in ``setup``, and its first checkpoint (which maps the buffer into the
-trainer) is taken there too, so the samples are the steady state.
+One rank, 2 writers, 2 readers, on the embedded Redis (sizes small enough for a 2-core machine; for 1M tiny slots,
+and a loader's first checkpoint, run ``python -m gigashuffle.tools.bench.checkpoint --shuffle-size 1048576``).
+Lower is better for every figure. The loader is started and mixed in ``setup``, and its first checkpoint (which
+faults the buffer into the trainer) is taken there too, so the samples are the steady state.
 """
 
 from __future__ import annotations
@@ -21,22 +22,26 @@ from typing import Any
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.tools.bench.checkpoint import TinyCounter
+from gigashuffle.tools.bench.checkpoint import dataset_of
+from gigashuffle.tools.bench.workloads import WORKLOADS
 from gigashuffle.trainer.datasetstate import rank_key
 
-SHUFFLE, BS, BATCHES = 65_536, 256, 50
+BATCHES = 50
+WORKLOAD_NAMES = ["tiny", "tokens", "image"]
 
 
-def _config(queue: str) -> DataloaderConfig:
-    return DataloaderConfig(bs=BS, shuffle_size=SHUFFLE, queue_name=queue, num_writers=2, num_readers=2)
+def _config(queue: str, workload: str) -> DataloaderConfig:
+    spec = WORKLOADS[workload]
+    return DataloaderConfig(bs=spec.bs, shuffle_size=spec.shuffle_size, queue_name=queue, num_writers=2,
+                            num_readers=2)  # fmt: skip
 
 
 class _Running:
-    """One mixed loader per benchmark process, its first checkpoint taken."""
+    """One mixed loader per workload and benchmark process, its first checkpoint taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, workload: str) -> None:
         self.queue = f"asv-ckpt-{os.getpid()}-{secrets.token_hex(4)}"
-        self.loader = MultiprocessShuffledDataloader(TinyCounter(1024), _config(self.queue))
+        self.loader = MultiprocessShuffledDataloader(dataset_of(workload), _config(self.queue, workload))
         atexit.register(self.loader.close)
         self.batches: Iterator[Any] = iter(self.loader)
         self.read()
@@ -47,40 +52,44 @@ class _Running:
             next(self.batches)
 
 
-_RUNNING: list[_Running] = []
+_RUNNING: dict[str, _Running] = {}
 
 
-def _running() -> _Running:
-    if not _RUNNING:
-        _RUNNING.append(_Running())
-    return _RUNNING[0]
+def _running(workload: str) -> _Running:
+    if workload not in _RUNNING:
+        for other in list(_RUNNING):  # one loader at a time: an image buffer is 600 MB
+            _RUNNING.pop(other).loader.close()
+        _RUNNING[workload] = _Running(workload)
+    return _RUNNING[workload]
 
 
 class Checkpoint:
     timeout = 300.0
+    params = WORKLOAD_NAMES
+    param_names = ["workload"]
 
-    def setup(self) -> None:
-        self.running = _running()
+    def setup(self, workload: str) -> None:
+        self.running = _running(workload)
         self.running.read()  # the buffer refilled and moving, as between two checkpoints
 
-    def time_state_dict(self) -> None:
+    def time_state_dict(self, workload: str) -> None:
         self.running.loader.state_dict()
 
-    def track_cut_pause_ms(self) -> float:
+    def track_cut_pause_ms(self, workload: str) -> float:
         loader = self.running.loader
         loader.state_dict()
         return 1000 * loader._sup.last_cut_s  # the supervisor's own clock of the pause
 
     track_cut_pause_ms.unit = "ms"  # type: ignore[attr-defined]
 
-    def track_checkpoint_mb(self) -> float:
+    def track_checkpoint_mb(self, workload: str) -> float:
         blob = io.BytesIO()
         torch.save(self.running.loader.state_dict(), blob)
         return blob.tell() / 2**20
 
     track_checkpoint_mb.unit = "MB"  # type: ignore[attr-defined]
 
-    def track_saved_rows(self) -> float:
+    def track_saved_rows(self, workload: str) -> float:
         rows = self.running.loader.state_dict()[rank_key(0)]["rows"]
         return float(rows["count"]) if rows else 0.0
 
@@ -91,19 +100,21 @@ class Resume:
     timeout = 300.0
     number = 1
     repeat = 3
+    params = WORKLOAD_NAMES
+    param_names = ["workload"]
 
-    def setup(self) -> None:
+    def setup(self, workload: str) -> None:
         # A loader of its own queue, checkpointed and closed: the resumed one below takes its place (a job resumed).
         self.queue = f"asv-resume-{os.getpid()}-{secrets.token_hex(4)}"
-        with MultiprocessShuffledDataloader(TinyCounter(1024), _config(self.queue)) as loader:
+        with MultiprocessShuffledDataloader(dataset_of(workload), _config(self.queue, workload)) as loader:
             batches = iter(loader)
             for _ in range(BATCHES):
                 next(batches)
             self.state = loader.state_dict()
 
-    def track_first_batch_after_resume_s(self) -> float:
+    def track_first_batch_after_resume_s(self, workload: str) -> float:
         t0 = time.perf_counter()
-        with MultiprocessShuffledDataloader(TinyCounter(1024), _config(self.queue)) as loader:
+        with MultiprocessShuffledDataloader(dataset_of(workload), _config(self.queue, workload)) as loader:
             loader.load_state_dict(self.state)
             next(iter(loader))
             return time.perf_counter() - t0

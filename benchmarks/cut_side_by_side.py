@@ -5,8 +5,8 @@ on one loader so both meet the same buffer and the same machine load: a side-by-
     PYTHONPATH=$PWD python benchmarks/cut_side_by_side.py --shuffle-size 1048576 --rounds 16 [--redis-url URL]
 
 One rank, 2 writers + 2 readers, tiny rows (two int64 fields, as ``gigashuffle.tools.bench.checkpoint``), bs 256,
-100 batches between checkpoints, after a first checkpoint (it maps the buffer) that counts for neither. Prints per
-variant the pause (``last_cut_s``), ``_saved_rows`` and its parts.
+100 batches between checkpoints, after a first checkpoint (it faults the buffer in) that counts for neither. Prints
+per variant the pause (``last_cut_s``), the copy (``SavedRows.take``, labelled ``saved_rows``) and its parts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.shm.buffer import SlotBuffer
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.tools.bench.checkpoint import TinyCounter
-from gigashuffle.trainer import cut
+from gigashuffle.trainer.savedrows import SavedRows
 
 times: dict[tuple[str, str], list[float]] = {}
 variant = ["old"]
@@ -48,7 +48,7 @@ def old_saved_rows(sup: Any, answers: list[Any], *, copy_buffer: bool) -> dict[s
         out = [np.empty((len(ids), spec.row_bytes), dtype=np.uint8) for spec in buffer.layout.fields]
         buffer.gather(ids, out)
         parts.append(out)
-    for child, k in sup.ready:
+    for child, k in sup.inbox.waiting():
         fields, _index = child.ring.regions(k)
         parts.append([f.numpy().copy() for f in fields])
         layout_json = layout_json or child.ring.layout.to_json()
@@ -75,8 +75,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--redis-url", default=None)
     args = p.parse_args()
-    new_saved_rows = cut._saved_rows
-    variants = {"old": timed(old_saved_rows, "saved_rows"), "new": timed(new_saved_rows, "saved_rows")}
+
+    def old_take(_self: Any, sup: Any, answers: list[Any], *, copy_buffer: bool) -> dict[str, Any]:
+        return old_saved_rows(sup, answers, copy_buffer=copy_buffer)
+
+    variants = {"old": timed(old_take, "saved_rows"), "new": timed(SavedRows.take, "saved_rows")}
     SlotTable.full_ids = timed(SlotTable.full_ids, "full_ids")  # type: ignore[method-assign]
     SlotBuffer.gather = timed(SlotBuffer.gather, "gather")  # type: ignore[method-assign]
     cfg = DataloaderConfig(bs=256, shuffle_size=args.shuffle_size, queue_name=f"cutbench-{uuid.uuid4().hex[:6]}",
@@ -86,11 +89,11 @@ def main() -> None:
         it = iter(loader)
         for _ in range(100):
             next(it)
-        variant[0] = "warm-up"  # the first cut maps the buffer into the trainer: counted for neither variant
+        variant[0] = "warm-up"  # the first cut faults the buffer into the trainer: counted for neither variant
         loader.state_dict()
         for r in range(args.rounds):
             variant[0] = ("old", "new")[r % 2]
-            cut._saved_rows = variants[variant[0]]  # type: ignore[assignment]
+            SavedRows.take = variants[variant[0]]  # type: ignore[method-assign]
             for _ in range(100):
                 next(it)
             saved = loader.state_dict()[f"rank{cfg.global_rank}"]["rows"]

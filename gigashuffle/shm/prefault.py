@@ -59,7 +59,8 @@ def fault_in_for_write(array: npt.NDArray[Any]) -> None:
 
 
 def fault_in_for_read(array: npt.NDArray[Any]) -> None:
-    """Map every page of a contiguous ``array`` (a view of shared memory) into this process now, reading no byte (the fallback reads one per page)."""
+    """Map every page of a contiguous ``array`` (a view of shared memory) into this process now, reading no byte
+    of it (the fallback reads one byte per page)."""
     if not _populate(array.ctypes.data, array.nbytes, _MADV_POPULATE_READ):
         flat = array.reshape(-1).view(np.uint8)
         int(flat[::_PAGE].sum(dtype=np.uint64))  # one byte per page

@@ -15,7 +15,9 @@ themselves ("rows way"), so any stateful dataset works. Every rank of the node c
   3. waits at the node barrier ``PAUSED`` until every local rank did 1 and 2 (NOTE [ Node cut ] in
      control/cutbarrier.py; no barrier with one rank per node): from then on nothing moves in the node's buffer;
   4. copies out the rows of every announced batch not yet handed to its caller and, on local rank 0 only, of
-     every full slot of the buffer (mapped for this, once): one ``uint8 [n, row_bytes]`` tensor per field;
+     every full slot of the buffer: one ``uint8 [n, row_bytes]`` tensor per field, into arrays allocated and
+     faulted in before step 1, with the buffer itself (mapped with the slot table on that rank) faulted in before
+     a loader's first pause, so the pause is the copy (trainer/savedrows.py, NOTE [ Faulting in before the pause ]);
   5. waits at the barrier ``COPIED`` until every local rank copied, then sends ``Resume`` to all. Training goes
      on from the same buffer: the cut changes nothing it delivers.
 On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
@@ -26,10 +28,9 @@ took them finished, unless the caller passes them as ``state_dict(unconsumed=[..
 rows are read back from the batches and saved after the cut's (trainer/unconsumed.py). Not for ``fill_once`` or
 ``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
 (unpaused) and no row, and says so once per queue in a warning.
-Figures (pause, size, resume) in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``: at
-``shuffle_size`` 1M tiny rows the pause is 8-15 ms (median 12 ms; ``benchmarks/cut_side_by_side.py``), but 88 ms for a
-loader's first checkpoint (it maps the buffer), and the state 10-11 MB for 650k-720k rows. With several ranks per
-node the two barriers add two Redis calls (~0.2 ms each) and the wait for the node's slowest rank.
+Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``:
+FIGURES_HERE. With several ranks per node the two barriers add two Redis calls (~0.2 ms each) and the wait for the
+node's slowest rank.
 """
 
 from __future__ import annotations
