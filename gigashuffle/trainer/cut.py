@@ -29,8 +29,10 @@ rows are read back from the batches and saved after the cut's (trainer/unconsume
 ``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
 (unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``:
-FIGURES_HERE. With several ranks per node the two barriers add two Redis calls (~0.2 ms each) and the wait for the
-node's slowest rank.
+at ``shuffle_size`` 1M tiny rows (80 B) on the shared 2-core VM a loader's first pause is 19-142 ms (226-616 ms while
+the page faults were inside it), later ones 29-84 ms (medians), of which the copy is 10-13 ms; the state is 70-81
+MB. With several ranks per node the two barriers add two Redis calls (~0.2 ms each) and the wait for the node's
+slowest rank.
 """
 
 from __future__ import annotations
