@@ -25,6 +25,8 @@ REDIS_URL_ENV = "GIGASHUFFLE_REDIS_URL"
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
 BATCH_FORMATS = ("list", "dict")
+# How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in trainer/positions.py.
+CHECKPOINT_ROWS = ("saved", "positions")
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
 
@@ -92,6 +94,9 @@ class DataloaderConfig:
     ``index_key=False`` leaves ``INDEX_KEY`` out of every batch (it is needed with ``evict_on_read=False``);
     ``steps_per_epoch=N`` makes each ``iter(loader)`` yield N batches and ``len(loader)`` return N, for
     schedulers and frameworks that ask for a length (the stream goes on where the last epoch stopped).
+    ``checkpoint_rows``: how ``state_dict()`` brings back the rows read and not yet trained on: ``"saved"`` saves
+    the rows themselves; ``"positions"`` saves where they came from and the writers re-read them (NOTE
+    [ Positions checkpoint ] in trainer/positions.py; needs a dataset that re-reads deterministically).
     """
 
     bs: int
@@ -121,6 +126,7 @@ class DataloaderConfig:
     batch_format: str = "list"
     index_key: bool = True
     steps_per_epoch: int | None = None
+    checkpoint_rows: str = "saved"
 
     @classmethod
     def from_env(cls, **fields: Any) -> DataloaderConfig:
@@ -265,6 +271,13 @@ class DataloaderConfig:
         if not self.index_key and not self.evict_on_read:
             raise _fail(
                 "index_key", False, "evict_on_read=False needs the slot indices to evict(): leave index_key=True"
+            )
+        if self.checkpoint_rows not in CHECKPOINT_ROWS:
+            raise _fail(
+                "checkpoint_rows",
+                self.checkpoint_rows,
+                "use 'saved' (a checkpoint holds the unconsumed rows) or 'positions' (it holds where they came from "
+                "and the writers re-read them; the dataset must re-read the same rows after load_state_dict)",
             )
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
             raise _fail("steps_per_epoch", self.steps_per_epoch, "use a positive number of batches, or None")

@@ -25,7 +25,7 @@ from gigashuffle.procs.interrupts import critical
 from gigashuffle.schema import Layout
 from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
-from gigashuffle.trainer import datasetstate, pinning
+from gigashuffle.trainer import datasetstate, pinning, positions
 from gigashuffle.trainer.batches import Batches
 from gigashuffle.trainer.metrics import METRICS_MAX_AGE_S, LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
@@ -207,8 +207,13 @@ class MultiprocessShuffledDataloader:
         prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
         self._check_open()
         self._require_state_methods("state_dict")
+        handed: list[Any] = []
+        if (
+            isinstance(unconsumed, (list, tuple)) and self.config.checkpoint_rows == "positions"
+        ):  # views of ring slots: counted by origin
+            handed, unconsumed = positions.traced(unconsumed, self._sup)
         extra = unconsumed_rows(unconsumed, self._sup) if unconsumed else None
-        return datasetstate.collect(self._sup, self.config, extra=extra)
+        return datasetstate.collect(self._sup, self.config, extra=extra, handed=handed)
 
     def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a

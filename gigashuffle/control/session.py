@@ -52,7 +52,10 @@ LEASE_MS = 10_000
 HEARTBEAT_S = 2.0
 VERIFY_EVERY = 5  # heartbeats per check of the generation and the server's run_id (NOTE [ Heartbeat ])
 _CLOSE_REDIS_BUDGET_S = 2.0  # leave_at_close's retry budget
-_SHARED_FIELDS = ("bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed")
+# checkpoint_rows: a node's cut by positions relies on every rank counting its own writers' rows (trainer/positions.py).
+_SHARED_FIELDS = (
+    "bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed", "checkpoint_rows",
+)  # fmt: skip
 
 
 def shared_conf(config: DataloaderConfig) -> str:

@@ -73,6 +73,7 @@ class ChildSpec:
         (),
     )  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
     epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
+    positions: Any = None  # (stream row of dataset_state, keep, until): procs/positions.py
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

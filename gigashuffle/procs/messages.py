@@ -73,6 +73,7 @@ class DatasetState:
     # A checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ]): layout JSON, fields.
     layout_json: str = ""
     rows: tuple[Any, ...] = ()
+    positions: Any = None  # NOTE [ Positions checkpoint ] in trainer/positions.py: procs/positions.py Track.answer
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class LoadState:
     # the writer puts them back into the buffer before it reads its dataset on.
     layout_json: str = ""
     rows: tuple[Any, ...] = ()
+    # A positions checkpoint's (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ].
+    positions: Any = None
 
 
 @dataclass(frozen=True)

@@ -188,8 +188,11 @@ def _announce(
     slots, versions = drawn
     ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
     gather_since = time.monotonic()
+    origins = env.config.checkpoint_rows == "positions"  # NOTE [ Positions checkpoint ] in trainer/positions.py
     for i, k in enumerate(ring_slots):
         _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
+        if origins:  # the rows' origins travel with the batch, for a cut that finds it announced and not delivered
+            table.origin.take(slots[i * bs : (i + 1) * bs], out=ring.origins(k))
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     cells[R_GATHER_S] += time.monotonic() - gather_since
     cells[R_BATCHES] += len(ring_slots)

@@ -58,6 +58,7 @@ from gigashuffle.procs.messages import (
     StateRequest,
 )
 from gigashuffle.procs.pending import PendingRows, rows_per_commit
+from gigashuffle.procs.positions import KEEP_BUFFERS, Track, lane_of
 from gigashuffle.procs.resume import StreamPosition, initial_position
 from gigashuffle.procs.workerinfo import become_worker
 from gigashuffle.schema import Layout
@@ -84,10 +85,11 @@ class _Chunks:
     see NOTE [ Empty shares ].
     """
 
-    def __init__(self, spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
+    def __init__(self, spec: ChildSpec, env: ChildEnv, position: StreamPosition, track: Track) -> None:
         self.dataset = spec.dataset
         self.env = env
         self.position = position
+        self.track = track  # NOTE [ Positions checkpoint ] in trainer/positions.py
         self.limit = spec.config.writer_max_retries
         self._it: Iterator[Any] | None = None
         self._yielded = False  # whether the current pass has yielded any chunk
@@ -194,7 +196,10 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
         chunks.before_restart()
         dataset.load_state_dict(message.state)
         chunks.restart()
-        position.restart(message.state, message.skip, message.serial)
+        base, keep, until = message.positions or (0, (), 0)
+        # A filter takes the skip in (procs/positions.py) before the lane's base is set from it.
+        skip = chunks.track.restart(base, message.state, np.asarray(keep), until, message.skip)
+        position.restart(message.state, skip, message.serial)
         position.restore_rows = (message.layout_json, message.rows) if message.rows else None
         position.restored = 0
         env.spec.go = True
@@ -206,7 +211,8 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
             chunks.before_restart()  # every row copied is published: the cut finds it full in the buffer
             position.paused = True
         state, skip = position.answer(dataset)
-        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, *position.leftover()))
+        where = chunks.track.answer(position.started, position.produced, skip, position.done)
+        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, *position.leftover(), where))
     elif isinstance(message, Resume):
         position.paused = False
     elif isinstance(message, Rejoin):
@@ -226,18 +232,24 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     position = initial_position(
         spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows, lanes
     )
+    cfg = spec.config
+    positions = cfg.checkpoint_rows == "positions" and spec.stateful and cfg.evict_on_read and not cfg.fill_once
+    track = Track(positions, lane_of(cfg.local_rank, cfg.num_writers, spec.index), int(KEEP_BUFFERS * cfg.shuffle_size))
+    base, keep, until = spec.positions or (0, (), 0)
+    # A filter takes the skip in (procs/positions.py); the lane's base is set from it when the buffer is bound.
+    position.skip_left = track.restart(base, position.base_state, np.asarray(keep), until, spec.skip)
     env = ChildEnv(spec, channel)
     try:
-        _run(spec, env, position)
+        _run(spec, env, position, track)
     finally:
         env.close()
         position.close()
 
 
-def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
-    chunks = _Chunks(spec, env, position)
+def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition, track: Track) -> None:
+    chunks = _Chunks(spec, env, position, track)
     _handle_control(env, chunks)
-    position.before_fetch(spec.dataset, env.channel)
+    _before_fetch(chunks)
     chunk = chunks.next()
     layout = Layout.from_chunk(chunk)
     if env.store.meta().get("layout") is None:
@@ -274,6 +286,14 @@ def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition) -> None:
     _write_forever(env, chunks, chunk, layout, counters)
 
 
+def _before_fetch(chunks: _Chunks) -> None:
+    """Note the dataset's state before the next chunk (NOTE [ Respawned writers ], [ Positions checkpoint ])."""
+    position = chunks.position
+    position.before_fetch(chunks.dataset, chunks.env.channel)
+    if position.stateful:
+        chunks.track.before_chunk(position.produced, position.chunk_state)
+
+
 def _hold(env: ChildEnv, chunks: _Chunks) -> bool:
     """Wait for ``Go`` or ``LoadState`` before committing any row (NOTE [ Restore before reading ] in
     procs/resume.py); False if a state was loaded meanwhile."""
@@ -298,7 +318,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
     mix = FirstMix(env.config, table, env.spec.index)  # NOTE [ First mix ]
     cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
-    position, dataset = chunks.position, env.spec.dataset
+    position, track = chunks.position, chunks.track
     with PendingRows(table, me, lane=position.lanes[0]) as pending:  # NOTE [ Respawned writers ]
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
@@ -342,6 +362,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
                 backoff.reset()
                 slots = reserved.take(allowed)
                 buffer.write(slots, as_bytes, done)
+                track.stamp(table.origin, slots, done, saved)
                 done += len(slots)
                 pending.add(slots)
                 mix.wrote(len(slots))
@@ -352,12 +373,19 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
             if position.restore_rows is not None:
                 _write_back(position, layout, pending, write)
             if chunk is None:
-                position.before_fetch(dataset, env.channel)
+                _before_fetch(chunks)
                 asked = time.monotonic()
                 chunk = chunks.next()
                 cells[W_DATASET_S] += time.monotonic() - asked
             rows, as_bytes = layout.rows_in(chunk)
-            write(as_bytes, rows, position.take(rows))
+            produced = position.produced
+            skipped = position.take(rows)
+            chosen = track.select(produced, rows, skipped)
+            if chosen is None:
+                write(as_bytes, rows, skipped)
+            else:  # a resumed writer re-reads: only the rows its checkpoint did not count as consumed
+                index = torch.from_numpy(chosen)
+                write([f.index_select(0, index) for f in as_bytes], len(chosen), 0)
             cells[W_ROWS] += rows
             cells[W_CHUNKS] += 1
             position.done = None

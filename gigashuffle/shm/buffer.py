@@ -226,7 +226,9 @@ class BatchRing:
         self.index_offset = fields_bytes
         self.field_offsets = offsets
         self.versions_offset = fields_bytes + bs * 8
-        self.slot_bytes = _align(fields_bytes + bs * 16)
+        # Each row's origin after the versions (NOTE [ Positions checkpoint ] in trainer/positions.py).
+        self.origins_offset = fields_bytes + bs * 16
+        self.slot_bytes = _align(fields_bytes + bs * 24)
         self.nbytes = self.slot_bytes * depth + _align(8 * depth)
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         # Per ring slot, the sequence number of the batch the reader gathered into it and has not yet announced; 0
@@ -234,6 +236,7 @@ class BatchRing:
         self.seq = self.memory.numpy_view(self.slot_bytes * depth, 8 * depth).view(np.int64)
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
+        self._origins: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
         self._targets: dict[int, tuple[list[npt.NDArray[Any]], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
         # What batch() cuts out of a ring slot, worked out once (batch() runs once per delivered batch in the
         # trainer): per field its group, key, byte range, the numpy dtype it is cut as, its row shape, and the torch
@@ -274,6 +277,15 @@ class BatchRing:
             found = self._versions[k] = raw.view(np.int64)
         return found
 
+    def origins(self, k: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The int64 origins of ring slot ``k``'s rows (filled only by readers of a loader that checkpoints by
+        positions)."""
+        found = self._origins.get(k)
+        if found is None:  # made once per ring slot: a reader fills it per batch
+            raw = self.memory.numpy_view(k * self.slot_bytes + self.origins_offset, self.bs * 8)
+            found = self._origins[k] = raw.view(np.int64)
+        return found
+
     def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
         """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.
 
@@ -299,6 +311,7 @@ class BatchRing:
     def close(self) -> None:
         self._regions.clear()
         self._versions.clear()
+        self._origins.clear()
         self._targets.clear()
         self.seq = np.empty(0, dtype=np.int64)
         self.memory.close()

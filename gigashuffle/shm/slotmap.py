@@ -2,8 +2,9 @@
 readings of its header that take no lock (the transitions are in shm/slottable.py: NOTE [ Slot table ] there).
 
 Layout: the header (counts, clock, lock figures, journal: shm/journal.py), the holder registry (shm/holders.py), the
-lanes (shm/lanes.py), then per slot its ``version`` (int64), ``holder`` (int32), the journal's id column (int32) and
-``state`` (uint8).
+lanes (shm/lanes.py), then per slot its ``version`` (int64), ``origin`` (int64: where the row came from, stamped by
+its writer outside the lock for checkpoints by positions, NOTE [ Positions checkpoint ] in trainer/positions.py; -1
+unknown), ``holder`` (int32), the journal's id column (int32) and ``state`` (uint8).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from gigashuffle.shm.picker import SlotPicker
 
 Versions = npt.NDArray[np.int64]
 
-_MAGIC = 0x67735F736C6F7437  # "gs_slot7"
+_MAGIC = 0x67735F736C6F7438  # "gs_slot8": the origin column
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class ShuffleBufferStats:
 
 
 def table_nbytes(slots: int) -> int:
-    return HEADER_BYTES + REGISTRY_BYTES + 8 * LANES + slots * (8 + 4 + 4 + 4 + 1) + 64
+    return HEADER_BYTES + REGISTRY_BYTES + 8 * LANES + slots * (8 + 8 + 4 + 4 + 4 + 1) + 64
 
 
 class SlotMap:
@@ -86,6 +87,8 @@ class SlotMap:
         offset += 8 * LANES
         self.version = raw[offset : offset + 8 * slots].view(np.int64)
         offset += 8 * slots
+        self.origin = raw[offset : offset + 8 * slots].view(np.int64)
+        offset += 8 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
         journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
         offset += 8 * slots
@@ -95,6 +98,7 @@ class SlotMap:
         self._journal = Journal(self._header, journal_ids, self.state, self.holder, self.lanes)
         if memory is None:
             self._header[[H_MAGIC, H_SLOTS, H_EMPTY, H_PIDNS]] = (_MAGIC, slots, slots, pid_namespace())
+            self.origin[:] = -1
         elif self._header[H_MAGIC] != _MAGIC or self._header[H_SLOTS] != slots:
             raise ValueError(f"shared memory fd {self.memory.fd} is not a slot table of {slots} slots")
         elif self._header[H_PIDNS] != pid_namespace():
@@ -185,7 +189,7 @@ class SlotMap:
         self._lock.close()
         self.memory.close()
         # The views hold the mapping; dropping them unmaps it unless a caller still holds one.
-        self._header = self.version = self.lanes = np.empty(0, dtype=np.int64)
+        self._header = self.version = self.lanes = self.origin = np.empty(0, dtype=np.int64)
         self.holder = self.writer = np.empty(0, dtype=np.int32)
         self.state = np.empty(0, dtype=np.uint8)
         self._journal = Journal(self._header, np.empty(0, dtype=np.int32), self.state, self.holder, self.lanes)

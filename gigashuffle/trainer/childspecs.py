@@ -79,6 +79,7 @@ class ChildSpecs:
             go=self.go and not self.cutting,
             saved_rows=saved,
             epoch=self.epoch if role == "writer" else None,
+            positions=self.resume.positions_of(index) if role == "writer" else None,
         )
         try:
             return dumps_by_value(spec)

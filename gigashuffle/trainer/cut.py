@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from gigashuffle.config import DataloaderConfig
@@ -47,6 +48,8 @@ from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
+from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.trainer import positions
 from gigashuffle.trainer.savedrows import SavedRows
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -61,26 +64,35 @@ def exact(config: DataloaderConfig) -> bool:
     return not config.fill_once and config.evict_on_read
 
 
-def take(sup: Supervisor, config: DataloaderConfig, timeout_s: float) -> tuple[list[DatasetState], dict[str, Any]]:
+def take(
+    sup: Supervisor, config: DataloaderConfig, timeout_s: float, handed: Sequence[tuple[ChildProcess, int]] = ()
+) -> tuple[list[DatasetState], dict[str, Any]]:
     """Pause this rank's writers and readers (and, through the node barrier, wait for the node's other ranks to
-    pause theirs), read the states and the undelivered rows, resume them."""
+    pause theirs), read the states and the undelivered rows, resume them. ``handed``: unconsumed batches found in
+    their ring slots (checkpoints by positions: trainer/positions.py)."""
     deadline = time.monotonic() + timeout_s
     pause = exact(config)
     if not pause:
         _warn_inexact(config)
     copy_buffer = config.local_rank == 0
     # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (trainer/savedrows.py).
-    saved = SavedRows(sup, copy_buffer=copy_buffer) if pause else None
+    by_positions = pause and config.checkpoint_rows == "positions"  # it saves few rows: no arrays ahead
+    saved = SavedRows(sup, copy_buffer=copy_buffer) if pause and not by_positions else None
     started = time.monotonic()  # the pause starts here
     number = sup.start_cut(pause)
     barrier = _barrier(sup, config) if pause else None
     try:
         answers = _writer_states(sup, config, deadline, pause)
         rows: dict[str, Any] = {}
-        if saved is not None:
+        if pause:
             _pause_readers(sup, config, deadline)
             _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
-            rows = saved.take(sup, answers, copy_buffer=copy_buffer)
+            if by_positions:  # NOTE [ Positions checkpoint ] in trainer/positions.py
+                answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)
+            else:
+                if saved is None:
+                    raise AssertionError("a cut of saved rows without its arrays")
+                rows = saved.take(sup, answers, copy_buffer=copy_buffer)
             _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
         return answers, rows
     finally:

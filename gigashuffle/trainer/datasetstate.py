@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,9 +26,10 @@ import torch
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import LoadState
+from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.sources import reshard_of
-from gigashuffle.trainer import cut, elastic
+from gigashuffle.trainer import cut, elastic, positions
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.unconsumed import with_unconsumed
 
@@ -46,6 +48,7 @@ def collect(
     config: DataloaderConfig,
     timeout_s: float = REPLY_TIMEOUT_S,
     extra: tuple[str, list[np.ndarray[Any, Any]]] | None = None,
+    handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> dict[str, Any]:
     """This rank's checkpoint: every writer's dataset state and the rows read and not delivered (NOTE
     [ Checkpoint cut ] in trainer/cut.py).
@@ -54,17 +57,20 @@ def collect(
     the new one answers from the state the trainer gave it (NOTE [ Respawned writers ]). Past ``timeout_s`` (or
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
-    answers, rows = cut.take(sup, config, timeout_s)
+    answers, rows = cut.take(sup, config, timeout_s, handed)
     if extra is not None:  # the rows of batches handed out and not trained on (trainer/unconsumed.py)
         rows = with_unconsumed(rows, extra)
+    entries = [positions.entry_of(a) for a in answers]  # NOTE [ Positions checkpoint ] in trainer/positions.py
+    where = {"positions": [e for _s, e in entries]} if any(e is not None for _s, e in entries) else {}
     return {
         rank_key(config.global_rank): {
             "queue": config.queue_name,
             "global_rank": config.global_rank,
             "global_world_size": config.global_world_size,
             "num_writers": config.num_writers,
-            "writers": [a.state for a in answers],
-            "skip": [a.skip for a in answers],
+            "writers": [s for s, _e in entries],
+            "skip": [0 if e is not None else a.skip for a, (_s, e) in zip(answers, entries, strict=True)],
+            **where,
             "rows": {**rows, "count": int(rows["fields"][0].shape[0]), "crc32": rows_crc(rows["fields"])}
             if rows
             else {},
@@ -133,7 +139,8 @@ def _checked(config: DataloaderConfig, key: str, part: Any, num_writers: int) ->
     rows = part.get("rows") or {}
     if rows:
         _check_rows(key, rows)
-    return {"writers": writers, "skip": skip, "rows": rows}
+    where = positions.checked(key, part.get("positions"), num_writers)
+    return {"writers": writers, "skip": skip, "rows": rows, "positions": where}
 
 
 def _check_rows(key: str, rows: Any) -> None:
@@ -174,11 +181,13 @@ def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) ->
         _check_layout(sup, config, rows["layout"])
     restored: tuple[str, tuple[Any, ...]] = (rows["layout"], tuple(rows["fields"])) if rows else ("", ())
     serials = sup.load_states(mine["writers"], mine["skip"], restored)
+    starts = [positions.start_of(e) for e in mine.get("positions") or [None] * config.num_writers]
+    sup.resume.set_positions(starts)
     for child in sup.writers():
         i = child.index
         saved = restored if i == 0 else ("", ())
         try:
-            child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved))
+            child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved, starts[i]))
         except OSError:
             continue  # it is dying: its successor starts from the state in its spec
 

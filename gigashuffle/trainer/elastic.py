@@ -24,6 +24,7 @@ import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
+from gigashuffle.trainer.positions import as_skips
 
 Part = dict[str, Any]  # a rank's checked part: {"writers": [...], "skip": [...], "rows": {...}}
 
@@ -75,7 +76,7 @@ def reshard(
         )
     parts = [check(k, state[k], writers) for k in keys]
     states = [s for p in parts for s in p["writers"]]
-    skips = [n for p in parts for n in p["skip"]]
+    skips = [n for k, p in zip(keys, parts, strict=True) for n in as_skips(k, p, differs)]
     total = config.global_world_size * config.num_writers
     new = list(reshard_states(states, skips, total))
     if len(new) != total:

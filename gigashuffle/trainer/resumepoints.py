@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gigashuffle.procs.messages import Progress
+from gigashuffle.procs.positions import filtered_commits
 from gigashuffle.procs.resume import COUNTER_BYTES
 from gigashuffle.shm.buffer import SharedMemory
 
@@ -32,6 +33,8 @@ class _Writer:
     reports: deque[Progress] = field(default_factory=lambda: deque(maxlen=_KEPT_REPORTS))
     counter: SharedMemory | None = None
     saved: tuple[str, tuple[Any, ...]] = ("", ())  # a checkpoint's rows this writer puts back (NOTE [ Checkpoint cut ])
+    # (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ] in trainer/positions.py
+    positions: tuple[int, Any, int] | None = None
 
 
 class ResumePoints:
@@ -51,9 +54,18 @@ class ResumePoints:
         for i, (w, state, skip) in enumerate(zip(self._writers, states, skips, strict=True)):
             w.serial, w.state, w.skip = next(self._serials), state, skip
             w.saved = saved if i == 0 else ("", ())
+            w.positions = None
             w.reports.clear()
             serials.append(w.serial)
         return serials
+
+    def set_positions(self, starts: list[tuple[int, Any, int] | None]) -> None:
+        """A positions checkpoint's start of each writer (after ``load``)."""
+        for w, start in zip(self._writers, starts, strict=True):
+            w.positions = start
+
+    def positions_of(self, index: int) -> tuple[int, Any, int] | None:
+        return self._writers[index].positions
 
     def on_attached(self, index: int, fds: list[int]) -> None:
         """The writer's commit counter (its memfd came with ``Attached``)."""
@@ -87,6 +99,9 @@ class ResumePoints:
             w.counter = None
             stream_now, saved_now = values
             committed, restored = stream_now - stream_base, saved_now - saved_base
+            base, keep, until = w.positions or (0, np.empty(0, np.int64), 0)
+            # With a filter the lane counts rows written, not rows of the stream (procs/positions.py).
+            committed, keep, until = filtered_commits(base, keep, until, w.skip, committed)
             if serial == w.serial:  # else it died before it applied the last load_state_dict: start from that
                 layout_json, fields = w.saved
                 left = tuple(f[restored:] for f in fields)
@@ -94,8 +109,10 @@ class ResumePoints:
                 best = max((r for r in w.reports if r.produced <= committed), key=lambda r: r.produced, default=None)
                 if best is not None:
                     w.state, w.skip = best.state, committed - best.produced
+                    w.positions = (base + best.produced, keep, until)  # the stream's numbering goes on
                 else:
                     w.skip = committed
+                    w.positions = (base, keep, until)
         if w.counter is not None:  # the table was not mapped: its successor starts where this writer started
             w.counter.close()
             w.counter = None

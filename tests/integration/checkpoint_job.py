@@ -138,9 +138,11 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=240.0)
     p.add_argument("--dataset", choices=("ids", "hf", "tar"), default="ids")
     p.add_argument("--data", default="", help="the shards' directory for --dataset hf/tar (write_shards)")
+    p.add_argument("--way", default="", help="DataloaderConfig.checkpoint_rows ('' leaves the default)")
     args = p.parse_args()
+    way = {"checkpoint_rows": args.way} if args.way else {}
     cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=2,
-                           num_readers=2, redis_url=args.redis_url, max_restarts=3)  # fmt: skip
+                           num_readers=2, redis_url=args.redis_url, max_restarts=3, **way)  # fmt: skip
     deadline = time.monotonic() + args.max_seconds
     loader = MultiprocessShuffledDataloader(_dataset(args), cfg)
     if args.resume:

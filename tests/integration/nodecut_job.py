@@ -49,6 +49,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--bs", type=int, default=8)
     p.add_argument("--shuffle-size", type=int, default=128)
     p.add_argument("--max-seconds", type=float, default=200.0)
+    p.add_argument("--way", default="saved", help="DataloaderConfig.checkpoint_rows")
     return p.parse_args()
 
 
@@ -78,7 +79,7 @@ def main() -> None:
     cfg = DataloaderConfig(bs=args.bs, shuffle_size=args.shuffle_size, queue_name=args.queue, num_writers=1,
                            num_readers=1, redis_url=args.redis_url, max_restarts=3, global_rank=args.rank,
                            global_world_size=args.world, local_rank=args.rank % args.local_world,
-                           local_world_size=args.local_world)  # fmt: skip
+                           local_world_size=args.local_world, checkpoint_rows=args.way)  # fmt: skip
     loader = MultiprocessShuffledDataloader(FiniteIds(args.ids, args.chunk), cfg)
     if args.resume:
         loader.load_state_dict(torch.load(args.resume, weights_only=False))

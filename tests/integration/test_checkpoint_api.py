@@ -145,12 +145,15 @@ def test_a_checkpoint_while_the_writer_waits_inside_a_chunk_for_room_loses_none_
     _resume_and_count(FiniteIds(ids, 200), cfg, state, before, ids)  # the same queue: its checkpoint
 
 
-def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_url: str) -> None:
+@pytest.mark.parametrize("way", ["saved", "positions"])
+def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_url: str, way: str) -> None:
     """A framework that fetches ahead checkpoints with one batch more handed out than trained on: passed as
-    ``state_dict(unconsumed=[batch])``, its rows are saved and come back once after the resume."""
+    ``state_dict(unconsumed=[batch])``, its rows are saved (by positions: re-read, found in the ring slots the
+    batches still view) and come back once after the resume."""
     ids = 400
     queue = f"ahead-{uuid.uuid4().hex[:8]}"
-    with MultiprocessShuffledDataloader(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue)) as loader:
+    cfg = _config(redis_url, "ahead", queue_name=queue, checkpoint_rows=way)
+    with MultiprocessShuffledDataloader(FiniteIds(ids, 20), cfg) as loader:
         it = iter(loader)
         trained = take(it, 5)
         ahead = take(it, 2)  # fetched, never trained on
@@ -159,5 +162,11 @@ def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_ur
             loader.state_dict(unconsumed=[[{"other": torch.zeros(4)}]])
         with pytest.raises(TypeError, match=r"item 0 is a dict, but this loader yields each batch as a list of dicts"):
             loader.state_dict(unconsumed=ahead[0])  # type: ignore[arg-type]
+        if way == "positions":  # found by their origins, not saved as rows
+            saved = state["rank0"]["rows"]
+            values = (
+                set(torch.cat([f.view(torch.int64).reshape(-1) for f in saved["fields"]]).tolist()) if saved else set()
+            )
+            assert not values & {int(i) for b in ahead for i in b[0]["id"] if int(i)}
     before = [int(i) for b in trained for i in b[0]["id"]]
-    _resume_and_count(FiniteIds(ids, 20), _config(redis_url, "ahead", queue_name=queue), state, before, ids)
+    _resume_and_count(FiniteIds(ids, 20), cfg, state, before, ids)

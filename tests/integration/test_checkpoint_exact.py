@@ -16,6 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 JOB = Path(__file__).with_name("checkpoint_job.py")
 IDS, STRIDE, SHUFFLE = 1000, 10**6, 256
 _SEGMENT_S = 240
@@ -50,12 +52,13 @@ def run_scenario(
     before: int = 30,
     after: int = 12,
     drain_s: float = 90,
+    way: str = "",
 ) -> tuple[int, int, int]:
     """(lost, twice, counted) over the ids of pass 0. ``failpoints``: per segment, ``<point>=<n>`` armed in it once.
     ``dataset``: checkpoint_job.py's ``--dataset``/``--data`` arguments (default: its own finite dataset);
     ``drain_s``: how long the last segment waits for the ids not yet counted (a lost one never comes: it stops then,
-    before the segment's own timeout)."""
-    sizes = ("--ids", str(ids), "--shuffle-size", str(shuffle), *dataset)
+    before the segment's own timeout); ``way``: DataloaderConfig.checkpoint_rows ('': the default)."""
+    sizes = ("--ids", str(ids), "--shuffle-size", str(shuffle), *dataset, *(["--way", way] if way else []))
     ckpt = ""
     queue = f"ckpt-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
@@ -84,25 +87,33 @@ def run_scenario(
     return lost, twice, len(counted)
 
 
-def test_three_resumes_read_every_row_of_the_pass_once(redis_url: str, tmp_path: Path) -> None:
-    lost, twice, _ = run_scenario(redis_url, tmp_path)
+# Both ways of bringing the unconsumed rows back (NOTE [ Positions checkpoint ] in trainer/positions.py); "" is the
+# default, "saved".
+WAYS = pytest.mark.parametrize("way", ["", "positions"])
+
+
+@WAYS
+def test_three_resumes_read_every_row_of_the_pass_once(redis_url: str, tmp_path: Path, way: str) -> None:
+    lost, twice, _ = run_scenario(redis_url, tmp_path, way=way)
     assert (lost, twice) == (0, 0)
 
 
-def test_a_writer_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path) -> None:
-    lost, twice, _ = run_scenario(redis_url, tmp_path, kill_writer_in=1)
+@WAYS
+def test_a_writer_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path, way: str) -> None:
+    lost, twice, _ = run_scenario(redis_url, tmp_path, kill_writer_in=1, way=way)
     assert (lost, twice) == (0, 0)
 
 
+@WAYS
 def test_a_writer_killed_right_after_a_commit_and_a_reader_between_release_and_announcement_cost_nothing(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, way: str
 ) -> None:
     """Segment 1 kills a writer right after a commit, segment 2 a reader right after it released a draw's slots and
     before it announced the batches (NOTE [ Lanes ] in shm/lanes.py). Before lanes, the first repeated that commit's
     rows (16 ids twice in a fresh-clone run; 16 twice here with the count moved out of the journaled op) and the
     second lost those batches (15 ids in a fresh-clone run of the node cut; 32 here without the trainer's recovery)."""
     points = {1: "writer.after_commit=12", 2: "reader.after_release=5"}
-    lost, twice, _ = run_scenario(redis_url, tmp_path, failpoints=points)
+    lost, twice, _ = run_scenario(redis_url, tmp_path, failpoints=points, way=way)
     assert (lost, twice) == (0, 0)
 
 

@@ -79,9 +79,11 @@ def run_scenario(
     kill_reader_in: int = -1,
     retry_segment: int = -1,
     failpoints: dict[int, str] | None = None,
+    way: str = "saved",
 ) -> tuple[int, int, int]:
     """(lost, twice, counted) over the ids of pass 0. ``retry_segment``: that segment runs twice from the same
-    checkpoint; the first run's rows and checkpoint are dropped (a job that crashed before its next checkpoint)."""
+    checkpoint; the first run's rows and checkpoint are dropped (a job that crashed before its next checkpoint).
+    ``way``: DataloaderConfig.checkpoint_rows."""
     ckpt, queue = "", f"nodecut-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
     for seg in range(3):
@@ -91,7 +93,7 @@ def run_scenario(
             # and readers running while the others wait; in one segment its reader 0 is killed.
             late = {world - 1: ["--late-s", "0.3", *(["--kill-reader-at", "10"] if seg == kill_reader_in else [])]}
             log = _segment(redis_url, queue, out, world, local_world, "--before", "24", "--after", "10", "--save",
-                           str(save), *(["--resume", ckpt] if ckpt else []), per_rank=late,
+                           str(save), "--way", way, *(["--resume", ckpt] if ckpt else []), per_rank=late,
                            failpoints=failpoints)  # fmt: skip
             assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _counted(out, world)
@@ -99,7 +101,7 @@ def run_scenario(
     (tmp / "counted").write_text(" ".join(str(i) for i, ps in counted if ps == 0))
     last = tmp / "last"
     log = _segment(redis_url, queue, last, world, local_world, "--resume", ckpt, "--before", "0", "--counted",
-                   str(tmp / "counted"), "--drain-past", str(4 * SHUFFLE))  # fmt: skip
+                   str(tmp / "counted"), "--drain-past", str(4 * SHUFFLE), "--way", way)  # fmt: skip
     assert "Traceback" not in log, log
     counted += _counted(last, world)
     seen = collections.Counter(i for i, ps in counted if ps == 0)
@@ -110,16 +112,20 @@ def run_scenario(
     return lost, twice, len(counted)
 
 
-def test_two_ranks_of_one_node_resume_every_row_once(redis_url: str, tmp_path: Path) -> None:
-    assert run_scenario(redis_url, tmp_path)[:2] == (0, 0)
+# Each way of bringing rows back (NOTE [ Positions checkpoint ] in trainer/positions.py): by positions each rank
+# counts its own writers' rows in the shared buffer and saves the other ranks' rows it holds in its rings.
+@pytest.mark.parametrize("way", ["saved", "positions"])
+def test_two_ranks_of_one_node_resume_every_row_once(redis_url: str, tmp_path: Path, way: str) -> None:
+    assert run_scenario(redis_url, tmp_path, way=way)[:2] == (0, 0)
 
 
 def test_two_nodes_of_two_ranks_on_one_redis_resume_every_row_once(redis_url: str, tmp_path: Path) -> None:
     assert run_scenario(redis_url, tmp_path, world=4, local_world=2)[:2] == (0, 0)
 
 
-def test_a_reader_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path) -> None:
-    assert run_scenario(redis_url, tmp_path, kill_reader_in=1)[:2] == (0, 0)
+@pytest.mark.parametrize("way", ["saved", "positions"])
+def test_a_reader_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path, way: str) -> None:
+    assert run_scenario(redis_url, tmp_path, kill_reader_in=1, way=way)[:2] == (0, 0)
 
 
 def test_no_rank_resumes_before_local_rank_0_copied_the_buffer(redis_url: str, tmp_path: Path) -> None:

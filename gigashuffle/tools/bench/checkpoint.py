@@ -11,6 +11,8 @@ One rank, 2 writers, 2 readers, a stateful dataset that yields the workload's ch
 baseline); then a loader reads ``--batches`` batches before each of ``--cuts`` checkpoints; the first checkpoint is
 saved with ``torch.save``, and a new loader of the same queue loads it right after construction: its dummy batch
 and first batch are timed. ``--workload counter`` is the 16-byte rows (two int64) of the earlier figures.
+``--way saved,positions``: each way of ``DataloaderConfig.checkpoint_rows`` in turn, a row each (NOTE [ Positions
+checkpoint ] in trainer/positions.py); "re-read k" counts the rows a positions checkpoint has the writers re-read.
 """
 
 from __future__ import annotations
@@ -91,13 +93,13 @@ def _start(cfg: DataloaderConfig, workload: str, state: dict[str, Any] | None) -
         return dummy, time.perf_counter() - t0
 
 
-def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, rounds: int, redis_url: str | None
-        ) -> dict[str, list[float]]:  # fmt: skip
+def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, rounds: int, redis_url: str | None,
+        way: str = "saved") -> dict[str, list[float]]:  # fmt: skip
     """Every figure of ``rounds`` rounds, by name (seconds, MB, rows)."""
 
     def config() -> DataloaderConfig:
         return DataloaderConfig(bs=bs, shuffle_size=shuffle_size, queue_name=f"bench-ckpt-{uuid.uuid4().hex[:8]}",
-                                num_writers=2, num_readers=2, redis_url=redis_url)  # fmt: skip
+                                num_writers=2, num_readers=2, redis_url=redis_url, checkpoint_rows=way)  # fmt: skip
 
     out: dict[str, list[float]] = {}
 
@@ -122,12 +124,14 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
                 note(f"pause_{which}_s", loader._sup.last_cut_s)
                 saved = state[rank_key(cfg.global_rank)]["rows"]
                 note("saved_rows", float(saved["count"]) if saved else 0.0)
+                where = state[rank_key(cfg.global_rank)].get("positions") or []
+                note("reread_rows", float(sum(len(e["keep"]) for e in where if e is not None)))
                 if cut == 0:
                     t0 = time.perf_counter()
                     torch.save(state, blob)
                     note("save_s", time.perf_counter() - t0)
                     note("size_mb", blob.tell() / 2**20)
-                del state, saved
+                del state, saved, where
             next(it)  # training goes on after the cut
         blob.seek(0)
         dummy, first = _start(cfg, workload, torch.load(blob, weights_only=False))
@@ -136,12 +140,12 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
     return out
 
 
-COLUMNS = ("workload", "shuffle_size", "row B", "pause first ms", "pause later ms", "state_dict first ms",
-           "state_dict later ms", "saved rows k", "size MB", "torch.save s", "dummy fresh / resumed s",
+COLUMNS = ("workload", "way", "shuffle_size", "row B", "pause first ms", "pause later ms", "state_dict first ms",
+           "state_dict later ms", "saved rows k", "re-read k", "size MB", "torch.save s", "dummy fresh / resumed s",
            "first batch fresh / resumed s")  # fmt: skip
 
 
-def row(workload: str, shuffle_size: int, figures: dict[str, list[float]]) -> str:
+def row(workload: str, shuffle_size: int, figures: dict[str, list[float]], way: str = "saved") -> str:
     """One markdown table row: medians, and each value of the few first-of-a-loader figures."""
 
     def each(name: str, scale: float = 1.0, fmt: str = ".0f") -> str:
@@ -152,10 +156,11 @@ def row(workload: str, shuffle_size: int, figures: dict[str, list[float]]) -> st
         return f"{statistics.median(values) * scale:{fmt}}" if values else "-"
 
     row_bytes = 16 if workload == "counter" else WORKLOADS[workload].row_bytes
-    saved = figures["saved_rows"]
-    cells = [workload, f"{shuffle_size:,}", str(row_bytes), each("pause_first_s", 1e3), med("pause_later_s", 1e3),
+    saved, reread = figures["saved_rows"], figures["reread_rows"]
+    cells = [workload, way, f"{shuffle_size:,}", str(row_bytes), each("pause_first_s", 1e3), med("pause_later_s", 1e3),
              each("state_dict_first_s", 1e3), med("state_dict_later_s", 1e3),
-             f"{min(saved) / 1e3:.0f}-{max(saved) / 1e3:.0f}", each("size_mb", 1, ".1f"),
+             f"{min(saved) / 1e3:.0f}-{max(saved) / 1e3:.0f}", f"{min(reread) / 1e3:.0f}-{max(reread) / 1e3:.0f}",
+             each("size_mb", 1, ".1f"),
              each("save_s", 1, ".2f"), f"{med('dummy_fresh_s', 1, '.2f')} / {med('dummy_resumed_s', 1, '.2f')}",
              f"{each('first_fresh_s', 1, '.2f')} / {each('first_resumed_s', 1, '.2f')}"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
@@ -170,6 +175,7 @@ def main() -> None:
     p.add_argument("--cuts", type=int, default=4, help="checkpoints per loader (the first maps the buffer)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--way", default="saved", help="checkpoint_rows ways, comma-separated: saved,positions")
     args = p.parse_args()
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"2 writers + 2 readers, {args.batches} batches before each of {args.cuts} checkpoints, {args.rounds} rounds")
@@ -178,8 +184,9 @@ def main() -> None:
         spec = WORKLOADS.get(name)
         shuffle = args.shuffle_size or (spec.shuffle_size if spec else 262144)
         bs = args.bs or (spec.bs if spec else 256)
-        figures = run(name, shuffle, bs, args.batches, args.cuts, args.rounds, args.redis_url)
-        print(row(name, shuffle, figures), flush=True)
+        for way in args.way.split(","):
+            figures = run(name, shuffle, bs, args.batches, args.cuts, args.rounds, args.redis_url, way)
+            print(row(name, shuffle, figures, way), flush=True)
 
 
 if __name__ == "__main__":

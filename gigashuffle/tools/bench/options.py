@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also run the copy floor with the loader's processes (default: with the baselines)",
     )
+    parser.add_argument(
+        "--checkpoint-rows",
+        choices=["none", "saved", "positions"],
+        default="none",
+        help="none: a dataset without state (default); saved/positions: a stateful one with that checkpoint_rows "
+        "(one rank only; see gigashuffle/tools/bench/stateful.py)",
+    )
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: embedded private server)")
     parser.add_argument("--log-level", default="INFO", help="logging level for progress on stderr")
     return parser

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
+from gigashuffle.tools.bench import stateful
 from gigashuffle.tools.bench.baselines import timed_batches
 from gigashuffle.tools.bench.workloads import RepeatingChunkDataset, Workload, get_workload
 
@@ -87,6 +88,7 @@ def rank_config(
         local_world_size=ranks,
         global_world_size=ranks,
         redis_url=redis_url,
+        checkpoint_rows=stateful.checkpoint_rows(),
     )
 
 

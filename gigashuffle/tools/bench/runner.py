@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gigashuffle.tools.bench import stateful
 from gigashuffle.tools.bench.baselines import copy_floor, dataloader_baseline, timed_batches
 from gigashuffle.tools.bench.cpu import loader_meter, own_meter
 from gigashuffle.tools.bench.options import DATALOADER_WORKERS, build_parser
@@ -142,7 +143,7 @@ def measure_loader(
     with contextlib.ExitStack() as stack:
         # Write times, for the quality figures of rank 0's stream (the other ranks' writers reuse its writer ids).
         stamps = ChunkStamps(stack.enter_context(tempfile.TemporaryDirectory(prefix="gs-bench-stamps-")))
-        dataset = RepeatingChunkDataset(workload, stamps=stamps if ranks == 1 else None)
+        dataset = stateful.wrap(RepeatingChunkDataset(workload, stamps=stamps if ranks == 1 else None))
         loader = stack.enter_context(MultiprocessShuffledDataloader(dataset, cfg))
         loader.get_dummy_batch()
         startup_s = time.perf_counter() - start
@@ -355,6 +356,7 @@ def _measure_baselines(workload: Workload, seconds: float) -> Result:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stateful.mode = args.checkpoint_rows
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     results = [
