@@ -11,6 +11,7 @@ import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs import positions as positions_of_writer
 from gigashuffle.procs.messages import DatasetState, Progress
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 from gigashuffle.procs.resume import COUNTER_BYTES
@@ -54,17 +55,18 @@ def test_a_filter_writes_kept_rows_and_everything_from_until_on() -> None:
     assert track.select(produced=10, rows=4, skipped=0) is None  # past until: every row
 
 
-def test_with_a_filter_commits_count_stream_rows_and_the_head_maps_back() -> None:
-    track = Track(False, lane=0, keep_rows=64)
+def test_with_a_filter_the_head_and_a_dead_writers_commits_map_back_to_stream_rows() -> None:
+    track = Track(True, lane=0, keep_rows=64)
     track.restart(0, {}, np.array([1, 5]), 8, 0)
     chosen = track.select(produced=0, rows=10, skipped=0)  # rows 1, 5, 8, 9
-    assert chosen is not None
-    origin = np.zeros(4, dtype=np.int64)
-    track.stamp(origin, np.array([0, 1]), done=0, saved=False)  # rows 1, 5 written
+    assert chosen is not None and chosen.tolist() == [1, 5, 8, 9]
     assert track.head(at=0, skip=0, done=2) == 6
-    assert track.committed_offset(2) == 6  # a successor skips to stream row 6, and its filter drops 6, 7
-    track.stamp(origin, np.array([2, 3]), done=2, saved=False)
-    assert track.committed_offset(2) == 10
+    # the lane counts rows written: 2 of them end at stream row 6 (a successor's filter drops 6 and 7), 4 at 10
+    assert [positions_of_writer.filtered_commits(0, [1, 5], 8, 0, n)[0] for n in (0, 2, 4)] == [0, 6, 10]
+    # a skip is folded in as the writer folds it: rows 100, 101 skipped; 104, then 106 on are written
+    offset, keep, until = positions_of_writer.filtered_commits(100, [101, 104, 107], 106, 2, 3)
+    assert (offset, keep.tolist(), until) == (8, [104, 107], 106)
+    assert positions_of_writer.filtered_commits(100, [], 0, 2, 7)[0] == 7  # no filter: the lane's count stands
 
 
 def test_a_respawned_writer_goes_on_with_its_stream_numbering_and_filter() -> None:
@@ -72,13 +74,15 @@ def test_a_respawned_writer_goes_on_with_its_stream_numbering_and_filter() -> No
     serial = points.load([{"pos": 0}], [0], ("", ()))[0]
     points.set_positions([(500, np.array([503]), 520)])
     counter = SharedMemory(COUNTER_BYTES, name="test-commits")
-    np.frombuffer(counter.numpy_view(0, COUNTER_BYTES), np.int64)[:] = (serial, 40, 0)
+    np.frombuffer(counter.numpy_view(0, COUNTER_BYTES), np.int64)[:] = (serial, 0, 0)
     points.on_attached(0, [os.dup(counter.fd)])  # the points take the fd over, as from Attached
     points.on_report(0, Progress(serial, 32, {"pos": 32}))
-    points.on_death(0)
+    points.on_death(0, (0, 1), lambda lanes: (40, 0))  # 40 rows written: 503, then 520..558
     state, skip, _serial, _saved = points.start_of(0)
-    base, keep, until = points.positions_of(0)
-    assert (state, skip, base, keep.tolist(), until) == ({"pos": 32}, 8, 532, [503], 520)
+    start = points.positions_of(0)
+    assert start is not None
+    base, keep, until = start
+    assert (state, skip, base, keep.tolist(), until) == ({"pos": 32}, 59 - 32, 532, [503], 520)
     counter.close()
     points.close()
 
