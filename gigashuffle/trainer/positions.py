@@ -57,6 +57,7 @@ from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.trainer.savedrows import copy_rows
 from gigashuffle.trainer.supervisor import Supervisor
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -167,14 +168,7 @@ def cut_rows(
         return rebased, {}
     widths = [s.row_bytes for s in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
     views = [np.empty((total, width), dtype=np.uint8) for width in widths]
-    if buffer is not None and len(ids):
-        buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
-    at = len(ids)
-    for fields in pieces:
-        n = len(fields[0])
-        for view, rows in zip(views, fields, strict=True):
-            view[at : at + n] = rows
-        at += n
+    copy_rows(views, buffer, ids, pieces)
     return rebased, {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
 
 

@@ -97,14 +97,7 @@ class SavedRows:
             [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in arrays[0]]
         )
         views = self._sized(total, widths)
-        if buffer is not None and len(ids):
-            buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
-        at = len(ids)
-        for fields in arrays:
-            n = len(fields[0])
-            for view, rows in zip(views, fields, strict=True):
-                view[at : at + n] = rows
-            at += n
+        copy_rows(views, buffer, ids, arrays)
         return {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
 
     def _sized(self, total: int, widths: list[int]) -> list[Rows]:
@@ -118,3 +111,16 @@ class SavedRows:
         for array, width in zip(prepared, widths, strict=True):
             array.resize((total, width), refcheck=False)  # a shrink: nothing else refers to it, no byte is copied
         return prepared
+
+
+def copy_rows(views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[list[Any]]) -> None:
+    """Fill ``views`` (one ``uint8 [n, row_bytes]`` array per field) with the buffer's rows ``ids``, then each piece's
+    rows in order: each row copied once, straight into its place (this copy is most of a cut's pause)."""
+    if buffer is not None and len(ids):
+        buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
+    at = len(ids)
+    for fields in pieces:
+        n = len(fields[0])
+        for view, rows in zip(views, fields, strict=True):
+            view[at : at + n] = rows
+        at += n
