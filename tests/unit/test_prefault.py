@@ -3,6 +3,7 @@ the fallback of an older kernel, and the bytes of the shared memory are unchange
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -23,7 +24,10 @@ def _resident() -> int:
 def test_fault_in_makes_the_pages_resident(madvise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not madvise:  # as on a kernel before 5.14, which answers EINVAL
         monkeypatch.setattr(prefault, "_unsupported", {prefault._MADV_POPULATE_READ, prefault._MADV_POPULATE_WRITE})
-    fresh = np.empty((NBYTES // 64, 64), dtype=np.uint8)
+    # A fresh anonymous mapping: np.empty may reuse heap pages an earlier test of this worker left resident (the
+    # fresh-clone run saw no growth at all), and those would show nothing about fault_in_for_write.
+    mapping = mmap.mmap(-1, NBYTES)
+    fresh = np.frombuffer(mapping, dtype=np.uint8).reshape(NBYTES // 64, 64)
     before = _resident()
     prefault.fault_in_for_write(fresh)
     assert _resident() - before >= NBYTES * 0.9
@@ -39,3 +43,5 @@ def test_fault_in_makes_the_pages_resident(madvise: bool, monkeypatch: pytest.Mo
     assert np.array_equal(view, np.arange(NBYTES, dtype=np.uint64).astype(np.uint8))
     mine.close()
     written.close()
+    del fresh
+    mapping.close()
