@@ -33,3 +33,8 @@ def verified_layout(secret: bytes, generation: str, meta: dict[str, bytes], queu
 def unsigned_fields(meta: dict[str, bytes]) -> dict[str, bytes]:
     """The fields of verified ``meta`` without its HMAC, to sign again under another generation (a rejoin)."""
     return {name: value for name, value in meta.items() if name != "hmac"}
+
+
+def same_buffer(fields: dict[str, bytes], other: dict[str, bytes]) -> bool:
+    """Whether two copies of metadata describe one buffer (its owner names the process that allocated it)."""
+    return all(fields.get(name) == other.get(name) for name in _SIGNED)

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,13 @@ from gigashuffle.control import dummyrow
 from gigashuffle.control.client import connect
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
-from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
+from gigashuffle.control.signedmeta import same_buffer, signed_meta, unsigned_fields, verified_layout
 from gigashuffle.errors import AttachError, GigashuffleError, QueueStateLostError
 from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.attach import AttachServer, attach
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope
+from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope, find_served_buffer
 from gigashuffle.procs.messages import Role
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
@@ -221,11 +222,26 @@ class ChildEnv:
         layout, meta = self.read_meta()
         self.meta_fields = unsigned_fields(meta)
         slots = self.config.shuffle_size
-        buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, self.config.redis_timeout_s)
+        timeout_s = self.config.redis_timeout_s
+        buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, timeout_s, self._served_unlisted)
         self.buffer = SlotBuffer(layout, slots, SharedMemory(int(meta["nbytes"]), buffer_fd))
         self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
         self._serve()
         return layout
+
+    def _served_unlisted(self) -> tuple[int, int] | None:
+        """The published buffer's fds from a process of this node that serves it but is not listed in Redis: a
+        new session wiped the list, and the processes that map the buffer list themselves again only as they
+        take the trainer's ``Rejoin`` (NOTE [ Rejoining ] in trainer/rejoin.py). Raises if our session is gone."""
+        self._raise_if_stale()
+        served = find_served_buffer(self.runtime_dir, self.scope)
+        if served is None:
+            return None
+        if same_buffer(served.fields, self.meta_fields):
+            return served.buffer_fd, served.table_fd
+        os.close(served.buffer_fd)  # another buffer than the published one (one a new session replaced)
+        os.close(served.table_fd)
+        return None
 
     def _serve(self, register: bool = True) -> None:
         if self.buffer is None or self.buffer.memory.fd is None or self.table is None or self.table.fd is None:
@@ -267,29 +283,42 @@ class ChildEnv:
         self.client.close()
 
 
-def fetch_node_fds(store: ControlPlane, queue: str, timeout_s: float) -> tuple[int, int]:
-    """The node buffer's memfd and its slot table's, from any process that serves them (the caller closes them)."""
+def fetch_node_fds(
+    store: ControlPlane, queue: str, timeout_s: float, fallback: Callable[[], tuple[int, int] | None] | None = None
+) -> tuple[int, int]:
+    """The node buffer's memfd and its slot table's, from any process that serves them (the caller closes them).
+    ``fallback`` is asked after each round that Redis's list of processes did not answer (it may raise)."""
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(cap_s=0.05)
     errors: list[str] = []
     while True:
-        for info in store.processes().values():
-            path = info.get("attach")
-            if not path:
-                continue
-            try:
-                _info, fds = attach(path)
-            except AttachError as exc:
-                errors.append(str(exc))
-                continue
-            if len(fds) == 2:
-                return fds[0], fds[1]
-            for fd in fds:
-                os.close(fd)
-            errors.append(f"{path} sent {len(fds)} fds, not the buffer's and the slot table's")
+        fds = _fds_from_listed(store, errors)
+        if fds is None and fallback is not None:
+            fds = fallback()
+        if fds is not None:
+            return fds
         if time.monotonic() > deadline:
             raise AttachError(f"no process serves the buffer of {queue!r}: {errors[-3:]}")
         backoff.sleep()
+
+
+def _fds_from_listed(store: ControlPlane, errors: list[str]) -> tuple[int, int] | None:
+    """One round through the processes Redis lists as serving the buffer."""
+    for info in store.processes().values():
+        path = info.get("attach")
+        if not path:
+            continue
+        try:
+            _info, fds = attach(path)
+        except AttachError as exc:
+            errors.append(str(exc))
+            continue
+        if len(fds) == 2:
+            return fds[0], fds[1]
+        for fd in fds:
+            os.close(fd)
+        errors.append(f"{path} sent {len(fds)} fds, not the buffer's and the slot table's")
+    return None
 
 
 class Housekeeping:

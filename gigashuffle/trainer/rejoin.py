@@ -13,9 +13,14 @@ the buffer and its slot table live in the children's shared memory. So the train
   3. sends ``Rejoin(generation)`` to every child that has the buffer mapped (``Attached``/``RingReady`` seen):
      it registers again (its attach socket) and quotes the new generation; the dummy writer publishes its row
      again. Such a child never stopped moving rows: no child calls Redis in the steady state;
-  4. kills, through the zygote, every child still starting (it holds no slots and would quote the old
-     generation) and starts it again. A child that died of a refused generation is started again too. Neither
-     counts against ``max_restarts``: nothing failed.
+  4. kills, through the zygote, every child still starting under the old generation (it holds no slots and
+     would quote it) and starts it again; one started since the join quotes the new one and is left alone (a
+     kill would read as yet another session change, and a second rejoin would wipe what this one published).
+     A child that died of a refused generation is started again too. Neither counts against ``max_restarts``:
+     nothing failed.
+The processes that serve the buffer list themselves in Redis again only as each takes its ``Rejoin``, so a child
+that starts in between finds the metadata and no listed server: it looks in the runtime directory for one (as
+below) instead of waiting.
 No row is lost, delivered twice or torn, since the slot table never left shared memory. A rank whose trainer
 never mapped the slot table (no child of it had attached yet) cannot republish the metadata, and a new writer may
 start before the ranks that can have: finding no metadata, it looks for the node's buffer in the runtime
@@ -78,7 +83,8 @@ def resume_children(
                 child.channel.send(Rejoin(generation))
             except OSError as exc:
                 log.debug("%s %d did not take Rejoin: %s", child.role, child.index, exc)
-        elif child.alive and not child.superseded:
+        elif child.alive and not child.superseded and child.generation != generation:
+            # One spawned since the join (a death handled while learning the pids) already quotes the new session.
             child.superseded = True
             zygote.kill(child.seq)
         elif not child.alive and child.superseded:

@@ -270,8 +270,10 @@ class Supervisor:
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
         if child.superseded or child.error_type == "QueueStateLostError":
-            if child.generation != self.session.generation and self.session.lost is None:
-                child.superseded = False  # its session is gone and we are in the new one: start it now
+            saw_newer = child.error_type == "QueueStateLostError" and child.generation == self.session.generation
+            if self.session.lost is None and not saw_newer:
+                # Its session is gone and we are in the new one (or we killed it in this one): start it now.
+                child.superseded = False
                 self.children.append(self._spawn(child.role, child.index, child.restarts))
             else:
                 # It saw a newer session before (or as) our heartbeat did: the rejoin starts it again.

@@ -292,6 +292,29 @@ def test_children_still_starting_at_a_redis_fault_start_again(
     chaos.finish("started again", **figures)
 
 
+def test_a_child_started_while_redis_lists_no_server_attaches_through_the_runtime_directory(
+    chaos: Any, redis_server: Any, redis_url: str
+) -> None:
+    """A new session wipes Redis's list of the processes that serve the buffer, and they list themselves again
+    only as each takes the trainer's ``Rejoin``, while the trainer publishes the metadata again at once. A child
+    that starts in between finds the metadata and no listed server: it must find one in the runtime directory,
+    not wait ``redis_timeout_s`` (30 s) and fail the loader. Here the list is deleted under a running loader and
+    the reader is killed: its successor starts while no process is listed."""
+    chaos.begin("Redis fault: no server listed", "a reader starts while Redis lists no process", None, redis_url)
+    cfg = chaos.config(bs=8, num_readers=1, max_restarts=1)
+    loader = chaos.loader(ChaosDataset(rows=8), cfg)
+    consumer = chaos.consumer(loader)
+    consumer.take(5)
+    old_reader = loader.child_pids()["reader"][0]
+    with redis_server.client() as client:
+        client.delete(chaos.keys(cfg).procs)
+    os.kill(old_reader, signal.SIGKILL)
+    consumer.take(20, timeout_s=RESTART_LIMIT_S)  # the trainer learns of the death as it pumps for batches
+    assert old_reader not in loader.child_pids()["reader"]
+    consumer.assert_unique()
+    chaos.finish("attached")
+
+
 @pytest.mark.parametrize(("fault", "seed"), [("restart", 0), ("flushall", 1)])
 def test_two_ranks_of_a_node_rejoin_one_session_and_keep_one_buffer(
     chaos: Any, redis_server: Any, redis_url: str, fault: str, seed: int
