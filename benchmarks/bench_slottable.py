@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 from gigashuffle.tools.bench.workloads import WORKLOADS
 
@@ -30,13 +32,20 @@ class _Fixture:
             self.table.commit_written(self.pid, self.table.acquire_empty(self.pid, self.chunk))
         self.batch: SlotIds = self.table.draw_full(self.pid, self.bs)[0]  # a reader always holds its last batch
 
-    def cycle(self, rows: int) -> None:
-        """Write ``rows`` rows in chunks and read as many in batches, as a writer and a reader do."""
+    def cycle(self, rows: int, origins: bool = False) -> None:
+        """Write ``rows`` rows in chunks and read as many in batches, as a writer and a reader do; ``origins``:
+        stamp each written slot's origin and read each drawn one's, as they do checkpointing by positions."""
         table, pid = self.table, self.pid
+        stamp = np.arange(self.chunk, dtype=np.int64)
         for _ in range(-(-rows // self.chunk)):
-            table.commit_written(pid, table.acquire_empty(pid, self.chunk))
+            ids = table.acquire_empty(pid, self.chunk)
+            if origins:
+                table.origin[ids] = stamp[: len(ids)]
+            table.commit_written(pid, ids)
         fused = getattr(table, "release_and_draw", None)  # a reader's one lock hold per batch, where it exists
         for _ in range(-(-rows // self.bs)):
+            if origins:
+                self.origins = table.origin[self.batch]
             if fused is not None:
                 _released, self.batch, _versions = fused(pid, self.batch, True, self.bs)
             else:  # commits before it: the release and the draw as two ops, so asv can compare across them
@@ -71,6 +80,11 @@ class Transitions:
 
     def time_write_and_read_1000_rows(self, workload: str) -> None:
         self.fixture.cycle(ROWS)
+
+    def time_write_and_read_1000_rows_with_origins(self, workload: str) -> None:
+        """The same with origin tracking (``checkpoint_rows="positions"``): its cost per row on the table's side
+        (NOTE [ Version and origin ] in shm/slotmap.py)."""
+        self.fixture.cycle(ROWS, origins=True)
 
 
 class LockHold:

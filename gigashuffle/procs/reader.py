@@ -192,7 +192,7 @@ def _announce(
     for i, k in enumerate(ring_slots):
         _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
         if origins:  # the rows' origins travel with the batch, for a cut that finds it announced and not delivered
-            table.origin.take(slots[i * bs : (i + 1) * bs], out=ring.origins(k))
+            ring.origins(k)[:] = table.origin[slots[i * bs : (i + 1) * bs]]
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     cells[R_GATHER_S] += time.monotonic() - gather_since
     cells[R_BATCHES] += len(ring_slots)

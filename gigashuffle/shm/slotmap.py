@@ -2,9 +2,16 @@
 readings of its header that take no lock (the transitions are in shm/slottable.py: NOTE [ Slot table ] there).
 
 Layout: the header (counts, clock, lock figures, journal: shm/journal.py), the holder registry (shm/holders.py), the
-lanes (shm/lanes.py), then per slot its ``version`` (int64), ``origin`` (int64: where the row came from, stamped by
-its writer outside the lock for checkpoints by positions, NOTE [ Positions checkpoint ] in trainer/positions.py; -1
-unknown), ``holder`` (int32), the journal's id column (int32) and ``state`` (uint8).
+lanes (shm/lanes.py), then per slot its ``version`` (int64) and ``origin`` (int64: where the row came from, stamped
+by its writer outside the lock for checkpoints by positions, NOTE [ Positions checkpoint ] in trainer/positions.py;
+-1 unknown) side by side, ``holder`` (int32), the journal's id column (int32) and ``state`` (uint8).
+
+NOTE [ Version and origin ]
+A slot's version and origin share one 16-byte record, so one cache line holds both. Slots are touched in random
+order, so each column costs a cache miss per row wherever it is read or written: the writer stamps a reserved
+slot's version and, checkpointing by positions, its origin a little later; the reader reads the version of a
+drawn slot and then its origin. As two columns the origin was one more miss per row on each side; side by side,
+the second access finds the line the first one brought in.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from gigashuffle.shm.picker import SlotPicker
 
 Versions = npt.NDArray[np.int64]
 
-_MAGIC = 0x67735F736C6F7438  # "gs_slot8": the origin column
+_MAGIC = 0x67735F736C6F7439  # "gs_slot9": version and origin side by side
 
 
 @dataclass(frozen=True)
@@ -85,10 +92,11 @@ class SlotMap:
         offset = HEADER_BYTES + REGISTRY_BYTES
         self.lanes = raw[offset : offset + 8 * LANES].view(np.int64)
         offset += 8 * LANES
-        self.version = raw[offset : offset + 8 * slots].view(np.int64)
-        offset += 8 * slots
-        self.origin = raw[offset : offset + 8 * slots].view(np.int64)
-        offset += 8 * slots
+        # Interleaved, one 16-byte record per slot (NOTE [ Version and origin ] above): strided views, so index
+        # them (``v[ids]``, ``v[ids] = x``); ``take``/``put`` would copy the whole column first.
+        stamps = raw[offset : offset + 16 * slots].view(np.int64).reshape(slots, 2)
+        self.version, self.origin = stamps[:, 0], stamps[:, 1]
+        offset += 16 * slots
         self.holder = raw[offset : offset + 4 * slots].view(np.int32)
         journal_ids = raw[offset + 4 * slots : offset + 8 * slots].view(np.int32)
         offset += 8 * slots

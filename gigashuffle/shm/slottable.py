@@ -174,7 +174,7 @@ class SlotTable(SlotMap):
         # writer killed before or while stamping leaves writing slots that repair empties: no row has them.
         # Its pid goes with them, for the readers' count of writers per batch (a figure only: nothing depends on it).
         if len(ids):
-            self.version.put(ids, np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64))
+            self.version[ids] = np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64)
             self.writer.put(ids, pid)
 
     def _commit_written(self, pid: int, mine: SlotIds, lane: int) -> None:
@@ -217,7 +217,7 @@ class SlotTable(SlotMap):
         # that reserved a slot sets one; evict and repair change states, never versions), and a random gather of
         # 8-byte words is one of the costlier steps of a draw that every process of the node waits for
         # (NOTE [ Node lock budget ]).
-        return self.version.take(ids) if len(ids) else _NO_VERSIONS
+        return self.version[ids] if len(ids) else _NO_VERSIONS
 
     def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool, lane: int = NO_LANE, batches: int = 0) -> int:
         """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full. ``lane`` grows by

@@ -32,15 +32,11 @@ a filter its commit counter counts stream rows, so it writes exactly the rows it
 Elastic resume: writer states re-split by ``reshard_states`` cannot carry ``keep``; a checkpoint whose ``keep``
 lists are all empty (``until`` is then a plain skip) re-splits as any other, else ``load_state_dict`` refuses,
 naming both layouts and the fix.
-Figures (docs/benchmarks.md, "Positions or saved rows"; 2-core shared VM, tiny 16 B rows, 3 rounds): at
-``shuffle_size`` 1M the state is 4.7-5.0 MB against 9.4-9.8 MB saved, but the pause is 16-30 ms against 10-17 ms
-and ``state_dict()`` 72-115 ms against 19-34 ms (the sort of ~630k found rows after the pause); the first batch of
-a resumed loader comes as fast (its writers re-read ~630k rows while the buffer fills anyway). Steady state on the
-bench's tiny rows: +25% CPU per row (writer and reader alike) in an A B A B run, against ~3% each measured alone
-(8 us per 1,024-row chunk; 3.7 us per 1,024-row batch); the gap is not yet explained (a guess: the origin
-column's extra cache line per row, written scattered). On 8,200-byte token rows (one round) positions paused
-40-56 ms against 105-157 ms, took 41-57 ms for ``state_dict()`` against 292-454 ms and saved 0.1 MB against 136 MB.
-So ``"saved"`` stays the default (any stateful dataset) and positions is the choice for large rows.
+Figures (docs/benchmarks.md, "Positions or saved rows" and "The origin column beside the version"): on tiny 16 B
+rows at ``shuffle_size`` 1M, half the state of saved rows but a longer pause and ``state_dict()``; origin
+tracking costs about 5% of a tiny row's CPU measured part by part (the end-to-end A B runs here are too noisy to
+resolve it); on 8,200-byte token rows positions halves the pause, cuts ``state_dict()`` by 8x and the checkpoint
+from 136 MB to 0.1 MB. So ``"saved"`` stays the default (any stateful dataset); positions suits large rows.
 """
 
 from __future__ import annotations
@@ -151,7 +147,7 @@ def cut_rows(
     buffer, ids = None, _NONE
     if table is not None:
         full = table.full_ids()
-        origins = table.origin.take(full)
+        origins = table.origin[full]
         # Whose rows this rank saves when no writer of its re-reads them: its own lanes', and on local rank 0
         # those of no writer of the node (no origin, index 0; lanes past the node's, the last entry).
         node_lanes = config.local_world_size * config.num_writers
