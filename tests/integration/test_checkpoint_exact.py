@@ -93,13 +93,12 @@ WAYS = pytest.mark.parametrize("way", ["", "positions"])
 
 
 @WAYS
-def test_three_resumes_read_every_row_of_the_pass_once(redis_url: str, tmp_path: Path, way: str) -> None:
-    lost, twice, _ = run_scenario(redis_url, tmp_path, way=way)
-    assert (lost, twice) == (0, 0)
-
-
-@WAYS
-def test_a_writer_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path, way: str) -> None:
+def test_three_resumes_and_a_writer_killed_mid_segment_cost_no_row_and_repeat_none(
+    redis_url: str, tmp_path: Path, way: str
+) -> None:
+    """The issue's scenario: three segments, each SIGKILLed past its checkpoint and resumed in a new process, then a
+    drain; segment 1 also SIGKILLs a writer midway (segments 0 and 2 are the plain resume, so a loss at a plain
+    resume fails this too: 2,550-9,520 lost before exact checkpoints)."""
     lost, twice, _ = run_scenario(redis_url, tmp_path, kill_writer_in=1, way=way)
     assert (lost, twice) == (0, 0)
 

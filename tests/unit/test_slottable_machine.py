@@ -91,7 +91,7 @@ VICTIMS = st.lists(KILL, max_size=2, unique_by=lambda v: v[0])
 HOW = st.sampled_from(["now", "later"])
 
 SETTINGS = settings(
-    max_examples=50,
+    max_examples=30,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
