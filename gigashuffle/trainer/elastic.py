@@ -10,7 +10,9 @@ writers in global writer order (rank by rank), with their skips, and returns one
 (``global_rank * num_writers + index``), every skip folded in (:class:`gigashuffle.sources.Sharded` does: NOTE
 [ Shard cursor ]). Every new rank computes the same re-split and keeps its own writers' states. The saved rows of all
 old ranks, in rank order, are cut into ``global_world_size`` contiguous shares; new rank ``r`` puts back share
-``r`` (its writer 0, as without a re-split), so each saved row comes back once in the job. A dataset without
+``r`` (its writer 0, as without a re-split), so each saved row comes back once in the job. A checkpoint by
+positions turns its writers' filters into saved rows and plain skips first (NOTE [ Positions across layouts ] in
+trainer/rereads.py). A dataset without
 ``reshard_states`` gets a ``CheckpointError`` naming both layouts and what it must offer; nothing is loaded.
 """
 
@@ -19,12 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
-from gigashuffle.trainer.positions import as_skips
+from gigashuffle.trainer import rereads
 
 Part = dict[str, Any]  # a rank's checked part: {"writers": [...], "skip": [...], "rows": {...}}
 
@@ -76,7 +77,12 @@ def reshard(
         )
     parts = [check(k, state[k], writers) for k in keys]
     states = [s for p in parts for s in p["writers"]]
-    skips = [n for k, p in zip(keys, parts, strict=True) for n in as_skips(k, p, differs)]
+    skips: list[int] = []
+    segments: list[rereads.Rows | rereads.Kept] = []  # every saved row of the job, in rank order
+    for key, part in zip(keys, parts, strict=True):
+        part_skips, kept = rereads.fold(dataset, key, part)  # NOTE [ Positions across layouts ]
+        skips += part_skips
+        segments += [part["rows"], *kept]
     total = config.global_world_size * config.num_writers
     new = list(reshard_states(states, skips, total))
     if len(new) != total:
@@ -87,24 +93,17 @@ def reshard(
     return {
         "writers": new[first : first + config.num_writers],
         "skip": [0] * config.num_writers,
-        "rows": _share_of_rows([p["rows"] for p in parts], config.global_rank, config.global_world_size),
+        "rows": _joined(rereads.share(segments, config.global_rank, config.global_world_size)),
     }
 
 
-def _share_of_rows(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
-    """Share ``rank`` of ``world`` of the saved rows of every old rank (rank order), contiguous."""
-    present = [rows for rows in saved if rows]
-    if not present:
+def _joined(pieces: list[rereads.Rows]) -> rereads.Rows:
+    """One saved-rows dict of ``pieces`` (this rank's share of every old rank's rows, in order)."""
+    if not pieces:
         return {}
-    layouts = {rows["layout"] for rows in present}
+    layouts = {rows["layout"] for rows in pieces}
     if len(layouts) > 1:
         raise CheckpointError("load_state_dict: the old ranks' saved rows have different layouts; the checkpoint "
                               "mixes parts of different jobs")  # fmt: skip
-    columns = list(zip(*(rows["fields"] for rows in present), strict=True))
-    fields = [torch.cat(list(column)) for column in columns]
-    n = int(fields[0].shape[0])
-    bounds = np.linspace(0, n, world + 1).astype(np.int64)
-    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    if lo == hi:
-        return {}
-    return {"layout": layouts.pop(), "fields": [f[lo:hi].contiguous() for f in fields]}
+    columns = zip(*(rows["fields"] for rows in pieces), strict=True)
+    return {"layout": layouts.pop(), "fields": [torch.cat(list(column)).contiguous() for column in columns]}

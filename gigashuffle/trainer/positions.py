@@ -29,9 +29,9 @@ caller holding most of the ring) are saved as rows, as in the saved-rows way (tr
 checkpoint taken while a writer still re-reads (its filter reaches past its head) carries the rest of that filter
 on. A respawned writer keeps its filter and continues its stream's numbering (trainer/resumepoints.py), and with
 a filter its commit counter counts stream rows, so it writes exactly the rows its predecessor had not committed.
-Elastic resume: writer states re-split by ``reshard_states`` cannot carry ``keep``; a checkpoint whose ``keep``
-lists are all empty (``until`` is then a plain skip) re-splits as any other, else ``load_state_dict`` refuses,
-naming both layouts and the fix.
+Elastic resume: a re-split carries states and plain skips only, so ``load_state_dict`` first reads the rows of
+each writer's ``keep`` from its state in the training process and saves them as rows (NOTE [ Positions across
+layouts ] in trainer/rereads.py).
 Figures (docs/benchmarks.md, "Positions or saved rows" and "The origin column beside the version"): on tiny 16 B
 rows at ``shuffle_size`` 1M, half the state of saved rows but a longer pause and ``state_dict()``; origin
 tracking costs about 5% of a tiny row's CPU measured part by part (the end-to-end A B runs here are too noisy to
@@ -231,21 +231,3 @@ def start_of(entry: dict[str, Any] | None) -> tuple[int, np.ndarray[Any, Any], i
         return None
     at = int(entry["at"])
     return at, entry["keep"].numpy().astype(np.int64) + at, at + int(entry["until"])
-
-
-def as_skips(key: str, part: dict[str, Any], differs: str) -> list[int]:
-    """An elastic re-split's skips for a part: a positions entry with nothing to keep is a skip of ``until``; one
-    with rows to keep cannot be re-split (NOTE [ Positions checkpoint ])."""
-    skips = list(part["skip"])
-    for i, entry in enumerate(part.get("positions") or []):
-        if entry is None:
-            continue
-        if len(entry["keep"]):
-            raise CheckpointError(
-                f"load_state_dict: {differs}; {key} was taken with checkpoint_rows='positions' and its writer {i} "
-                f"must re-read {len(entry['keep'])} unconsumed rows from its state, which a re-split over other "
-                "writers cannot carry: resume with the checkpoint's global_world_size and num_writers, or take "
-                "checkpoints for an elastic resume with checkpoint_rows='saved'"
-            )
-        skips[i] += int(entry["until"])
-    return skips

@@ -65,11 +65,12 @@ def main() -> None:
     p.add_argument("--counted", default="")
     p.add_argument("--drain-past", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=240.0)
+    p.add_argument("--way", default="saved", help="DataloaderConfig.checkpoint_rows")
     args = p.parse_args()
     cfg = DataloaderConfig(bs=16, shuffle_size=128, queue_name=args.queue, num_writers=args.writers, num_readers=1,
                            redis_url=args.redis_url, global_rank=args.rank, global_world_size=args.world,
                            local_rank=args.rank % args.local_world, local_world_size=args.local_world,
-                           max_restarts=3)  # fmt: skip
+                           max_restarts=3, checkpoint_rows=args.way)  # fmt: skip
     dataset = Sharded(shards_of(args.shards), ParquetReader(), rows=16, seed=7, pass_field="pass")
     loader = MultiprocessShuffledDataloader(dataset, cfg)
     if args.resume:

@@ -62,16 +62,18 @@ def _merge(parts: list[Path], into: Path) -> None:
     torch.save(merged, into)
 
 
+@pytest.mark.parametrize("way", ["saved", "positions"])
 def test_a_checkpoint_resumes_on_other_world_sizes_node_counts_and_writer_counts_exactly(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, way: str
 ) -> None:
     """1 node of 2 ranks x 2 writers -> 3 nodes of 1 rank x 3 writers -> 1 x 2: world size 2 -> 3 -> 1, writers
     2 -> 3 -> 2, and the node cut (local rank 0 saves the buffer's rows; every local rank saving it gave 75 ids
-    twice) re-split with the elastic resume."""
-    _run_segments(redis_url, tmp_path, [(2, 2, 2), (3, 3, 1)])
+    twice) re-split with the elastic resume. By positions, each old writer's rows still to re-read are read by the
+    new ranks as saved rows (NOTE [ Positions across layouts ]); before, such a checkpoint was refused."""
+    _run_segments(redis_url, tmp_path, [(2, 2, 2), (3, 3, 1)], way)
 
 
-def _run_segments(redis_url: str, tmp_path: Path, segments: list[tuple[int, int, int]]) -> None:
+def _run_segments(redis_url: str, tmp_path: Path, segments: list[tuple[int, int, int]], way: str) -> None:
     """(world, writers, ranks per node) per segment, each checkpointed and SIGKILLed past it, then a last segment of
     1 rank x 2 writers drains: every id of each pass exactly once."""
     shards = write_shards(tmp_path / "shards")
@@ -82,14 +84,15 @@ def _run_segments(redis_url: str, tmp_path: Path, segments: list[tuple[int, int,
         save = tmp_path / f"ckpt{seg}"
         resume = ["--resume", ckpt] if ckpt else []
         log = _segment(redis_url, queue, shards, tmp_path / f"seg{seg}", world, writers, "--before", "12",
-                       "--after", "8", "--save", f"{save}-{{rank}}.pt", *resume, local_world=local_world)  # fmt: skip
+                       "--after", "8", "--save", f"{save}-{{rank}}.pt", "--way", way, *resume,
+                       local_world=local_world)  # fmt: skip
         parts = [Path(f"{save}-{r}.pt") for r in range(world)]
         assert all(p.exists() for p in parts), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += [row for r in range(world) for row in _read(tmp_path / f"seg{seg}-r{r}.before")]
         ckpt = str(tmp_path / f"merged{seg}.pt")
         _merge(parts, Path(ckpt))
     (tmp_path / "counted").write_text("".join(f"{i} {ps}\n" for i, ps in counted))
-    log = _segment(redis_url, queue, shards, tmp_path / "last", 1, 2, "--resume", ckpt, "--before", "0",
+    log = _segment(redis_url, queue, shards, tmp_path / "last", 1, 2, "--resume", ckpt, "--way", way, "--before", "0",
                    "--counted", str(tmp_path / "counted"), "--drain-past", "512", "--max-seconds", "90")  # fmt: skip
     assert "Traceback" not in log, log
     counted += _read(tmp_path / "last-r0.before")

@@ -16,7 +16,7 @@ from gigashuffle.procs.messages import DatasetState, Progress
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 from gigashuffle.procs.resume import COUNTER_BYTES
 from gigashuffle.shm.buffer import SharedMemory
-from gigashuffle.trainer import positions
+from gigashuffle.trainer import positions, rereads
 from gigashuffle.trainer.resumepoints import ResumePoints
 
 
@@ -87,12 +87,11 @@ def test_a_respawned_writer_goes_on_with_its_stream_numbering_and_filter() -> No
     points.close()
 
 
-def test_an_elastic_resume_refuses_rows_to_re_read_and_folds_an_empty_keep_into_the_skip() -> None:
+def test_an_elastic_resume_folds_an_empty_keep_into_the_skip_and_refuses_a_damaged_entry() -> None:
+    """Rows to re-read become saved rows (tests/unit/test_rereads.py); with none, ``until`` is a plain skip."""
     empty = {"at": 10, "keep": torch.empty(0, dtype=torch.int64), "until": 7}
-    assert positions.as_skips("rank0", {"skip": [0, 2], "positions": [empty, None]}, "differs") == [7, 2]
-    busy = {"at": 10, "keep": torch.tensor([3]), "until": 7}
-    with pytest.raises(CheckpointError, match="checkpoint_rows='saved'"):
-        positions.as_skips("rank0", {"skip": [0], "positions": [busy]}, "differs")
+    part = {"skip": [0, 2], "positions": [empty, None], "writers": [{"pos": 10}, {"pos": 3}]}
+    assert rereads.fold(None, "rank0", part) == ([7, 2], [])
     with pytest.raises(CheckpointError, match="damaged"):
         positions.checked("rank0", [{"at": 0, "keep": torch.tensor([5, 3]), "until": 9}], 1)
 

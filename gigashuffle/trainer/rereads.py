@@ -1,0 +1,106 @@
+"""An elastic resume of a checkpoint by positions: the rows its writers were to re-read, read here as saved rows.
+
+NOTE [ Positions across layouts ]
+A checkpoint by positions (NOTE [ Positions checkpoint ] in trainer/positions.py) gives each writer a state (at
+stream row ``at``), the offsets after it of the unconsumed rows to write again (``keep``) and ``until``, from which
+it writes every row; its ``skip`` drops the first rows too (``procs/positions.folded``). A re-split over other
+writers (NOTE [ Elastic resume ] in trainer/elastic.py) moves states and plain skips only, so ``load_state_dict``
+turns each old writer's filter into what a re-split carries before re-splitting: it reads that writer's stream
+from its state in the training process, takes the rows of ``keep`` as saved rows (put back by the new ranks like
+any checkpoint's saved rows), and leaves a plain skip of ``max(until, skip)``. Every rank computes the same cut of
+all saved rows into shares and reads only the old writers whose kept rows fall in its own share, up to the last
+of them. The dataset must re-read deterministically from a state, as checkpoints by positions require anyway; a
+stream that ends before a kept row is refused, naming the writer.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gigashuffle.errors import CheckpointError
+from gigashuffle.schema import Layout
+
+Rows = dict[str, Any]  # saved rows: {"layout": str, "fields": [uint8 tensor [n, bytes] per field]} or {}
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The rows an old writer was to re-read: stream offsets after its state, and how to read them."""
+
+    count: int
+    read: Callable[[], Rows]
+
+
+def fold(dataset: Any, key: str, part: dict[str, Any]) -> tuple[list[int], list[Kept]]:
+    """A part's skips with every positions filter folded in, and what each filter kept (``Kept`` in writer order,
+    only those with rows)."""
+    skips = list(part["skip"])
+    kept: list[Kept] = []
+    for i, entry in enumerate(part.get("positions") or []):
+        if entry is None:
+            continue
+        skip = int(skips[i])
+        offsets = entry["keep"].numpy().astype(np.int64)
+        offsets = offsets[offsets >= skip]
+        skips[i] = max(int(entry["until"]), skip)
+        if len(offsets):
+            state = part["writers"][i]
+            kept.append(Kept(len(offsets), _reader(dataset, state, offsets, f"{key}'s writer {i}")))
+    return skips, kept
+
+
+def _reader(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> Callable[[], Rows]:
+    return lambda: _read(dataset, state, offsets, who)
+
+
+def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> Rows:
+    """Rows ``offsets`` (sorted) of the stream of a copy of ``dataset`` loaded with ``state``."""
+    source = copy.deepcopy(dataset)
+    source.load_state_dict(copy.deepcopy(state))
+    picked: list[list[torch.Tensor]] = []
+    layout: Layout | None = None
+    offset, last = 0, int(offsets[-1])
+    while offset <= last:
+        before = offset
+        for chunk in source:  # one pass; a finite source's next iter() is its next pass
+            layout = layout or Layout.from_chunk(chunk)
+            rows, as_bytes = layout.rows_in(chunk)
+            lo, hi = np.searchsorted(offsets, (offset, offset + rows))
+            if hi > lo:
+                index = torch.from_numpy(offsets[lo:hi] - offset)
+                picked.append([field.index_select(0, index) for field in as_bytes])
+            offset += rows
+            if offset > last:
+                break
+        if offset == before:
+            raise CheckpointError(
+                f"load_state_dict: {who} must re-read rows up to {last} after its state, but the dataset "
+                f"{type(dataset).__name__} ended after {offset}: it does not re-read the same rows from a loaded "
+                "state, which a checkpoint by positions needs"
+            )
+    if layout is None:
+        raise AssertionError("rows read without a layout")
+    return {"layout": layout.to_json(), "fields": [torch.cat(list(column)) for column in zip(*picked, strict=True)]}
+
+
+def share(segments: list[Rows | Kept], rank: int, world: int) -> list[Rows]:
+    """Share ``rank`` of ``world`` of the segments' rows in order (contiguous, as ``elastic._share_of_rows`` cuts
+    them), reading only the kept rows that fall in it."""
+    counts = [s.count if isinstance(s, Kept) else (int(s["fields"][0].shape[0]) if s else 0) for s in segments]
+    bounds = np.linspace(0, sum(counts), world + 1).astype(np.int64)
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+    mine: list[Rows] = []
+    start = 0
+    for segment, count in zip(segments, counts, strict=True):
+        a, b = max(lo, start), min(hi, start + count)
+        if a < b:
+            rows = segment.read() if isinstance(segment, Kept) else segment
+            mine.append({**rows, "fields": [f[a - start : b - start] for f in rows["fields"]]})
+        start += count
+    return mine
