@@ -69,7 +69,8 @@ def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> 
     while offset <= last:
         before = offset
         for chunk in source:  # one pass; a finite source's next iter() is its next pass
-            layout = layout or Layout.from_chunk(chunk)
+            if layout is None:
+                layout = Layout.from_chunk(chunk)
             rows, as_bytes = layout.rows_in(chunk)
             lo, hi = np.searchsorted(offsets, (offset, offset + rows))
             if hi > lo:
