@@ -16,6 +16,7 @@ stream that ends before a kept row is refused, naming the writer.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ import torch
 
 from gigashuffle.errors import CheckpointError
 from gigashuffle.schema import Layout
+
+log = logging.getLogger(__name__)
 
 Rows = dict[str, Any]  # saved rows: {"layout": str, "fields": [uint8 tensor [n, bytes] per field]} or {}
 
@@ -87,6 +90,7 @@ def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> 
             )
     if layout is None:
         raise AssertionError("rows read without a layout")
+    log.info("elastic resume: read %d rows of %s's stream again to keep %d of them", offset, who, len(offsets))
     return {"layout": layout.to_json(), "fields": [torch.cat(list(column)) for column in zip(*picked, strict=True)]}
 
 
