@@ -52,6 +52,7 @@ LEASE_MS = 10_000
 HEARTBEAT_S = 2.0
 VERIFY_EVERY = 5  # heartbeats per check of the generation and the server's run_id (NOTE [ Heartbeat ])
 _CLOSE_REDIS_BUDGET_S = 2.0  # leave_at_close's retry budget
+_STOP_WAIT_S = 1.0  # how long stopping the heartbeat waits for a beat in progress (a few ms when Redis answers)
 # checkpoint_rows: a node's cut by positions relies on every rank counting its own writers' rows (trainer/positions.py).
 _SHARED_FIELDS = (
     "bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed", "checkpoint_rows",
@@ -140,13 +141,19 @@ class NodeSession:
         return host == socket.gethostname() and pid_text.isdigit() and not pid_alive(int(pid_text))
 
     def _start_heartbeat(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="gigashuffle-heartbeat", daemon=True)
+        self._stop = stop = threading.Event()  # each thread its own: one left behind never beats for the next
+        self._thread = threading.Thread(target=self._beat, args=(stop,), name="gigashuffle-heartbeat", daemon=True)
         self._thread.start()
 
     def stop_heartbeat(self) -> None:
+        """Stop the heartbeat; wait for a beat in progress at most ``_STOP_WAIT_S``. A beat's call to a Redis that
+        does not answer retries for ``redis_timeout_s``: close() (on torchrun's SIGTERM, say, after the rank that
+        ran the node's embedded server died) must not wait for that. The thread, a daemon, then ends by itself
+        and its findings are dropped."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(_STOP_WAIT_S)
+        if self._thread.is_alive():
+            log.debug("the heartbeat of %s is inside a Redis call; not waiting for it", self.config.queue_name)
 
     def rejoin(self) -> None:
         """Join again after the session was lost (a Redis restart): a new generation if no rank holds one."""
@@ -155,15 +162,20 @@ class NodeSession:
         self._join()
         self._start_heartbeat()
 
-    def _beat(self) -> None:
+    def _beat(self, stop: threading.Event) -> None:
         beats = 0
-        while not self._stop.wait(HEARTBEAT_S):
+        while not stop.wait(HEARTBEAT_S):
             beats += 1
             try:
-                self.lost = self._lost_at_beat(beats % VERIFY_EVERY == 0)
+                lost: Exception | None = self._lost_at_beat(beats % VERIFY_EVERY == 0)
             except GigashuffleError as exc:
-                self.lost = exc
-            if self.lost is not None:
+                lost = exc
+            if stop.is_set():  # stopped during the beat: the session moved on (left or rejoined) without it
+                if self._left:  # close() closed the client while this beat's call held (or reopened) a connection
+                    self.store.client.close()
+                return
+            if lost is not None:
+                self.lost = lost
                 return
 
     def _lost_at_beat(self, verify: bool) -> QueueStateLostError | None:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +266,45 @@ def test_redis_paused_then_resumed(chaos: Any, redis_server: Any, redis_url: str
     stall_s = max(took for called, took in consumer.waits if called + took >= paused)
     # detect_s: the longest the trainer waited in one next() call from the pause on (the stall it saw)
     chaos.finish("recovered", detect_s=stall_s, pause_s=round(pause_s, 2), **figures)
+
+
+def _heartbeat_in_a_redis_call() -> bool:
+    """Whether the loader's heartbeat thread is inside one of its beat's Redis calls now."""
+    frames = sys._current_frames()
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        if thread.name == "gigashuffle-heartbeat" and frame is not None:
+            return any(f.name == "_lost_at_beat" for f in traceback.extract_stack(frame))
+    return False
+
+
+def test_close_does_not_wait_for_a_heartbeat_stuck_in_a_stopped_redis(
+    chaos: Any, redis_server: Any, redis_url: str
+) -> None:
+    """Redis is stopped (SIGSTOP) while the heartbeat is inside a beat's call, and the loader is closed (as a rank
+    does on torchrun's SIGTERM when another rank died with the node's embedded server): close() must not wait for
+    that call to give up after redis_timeout_s (30 s; torchrun SIGKILLs a rank 30 s after its SIGTERM, and a
+    fresh-clone run saw exactly that). The call ends on its own once Redis is back."""
+    chaos.begin("Redis paused at close", "heartbeat inside a call", None, redis_url)
+    loader = chaos.loader(ChaosDataset(rows=8), chaos.config(bs=8, num_readers=1))
+    chaos.consumer(loader).take(3)
+    redis_server.pause()
+    try:
+        wait_until(_heartbeat_in_a_redis_call, timeout_s=20.0, what="a heartbeat blocked in the stopped Redis")
+        closer = chaos.thread(loader.close, "closer")
+        closer.join(10.0)
+        assert not closer.is_alive(), "close() waited for the heartbeat's Redis call"
+        closer.result()
+    finally:
+        redis_server.resume()
+    wait_until(lambda: not _heartbeat_in_a_redis_call(), timeout_s=60.0, what="the late beat to end")
+    # Redis did not answer at close, so the session was abandoned: its claim expires with its TTL and the next
+    # session of the queue cleans up what is left (NOTE [ Heartbeat ]). Take it over and close it for real.
+    claim = chaos.keys(loader.config).rank(0)
+    with redis_server.client() as client:
+        wait_until(lambda: not client.exists(claim), timeout_s=30.0, what="the abandoned claim to expire")
+    chaos.consumer(chaos.loader(ChaosDataset(rows=8), chaos.config(bs=8, num_readers=1))).take(3)
+    chaos.finish("closed")  # closes the new loader and checks that nothing of either is left (fds, keys, ...)
 
 
 @pytest.mark.parametrize("seed", range(2))
