@@ -16,6 +16,7 @@ stream that ends before a kept row is refused, naming the writer.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,12 +55,8 @@ def fold(dataset: Any, key: str, part: dict[str, Any]) -> tuple[list[int], list[
         skips[i] = max(int(entry["until"]), skip)
         if len(offsets):
             state = part["writers"][i]
-            kept.append(Kept(len(offsets), _reader(dataset, state, offsets, f"{key}'s writer {i}")))
+            kept.append(Kept(len(offsets), functools.partial(_read, dataset, state, offsets, f"{key}'s writer {i}")))
     return skips, kept
-
-
-def _reader(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> Callable[[], Rows]:
-    return lambda: _read(dataset, state, offsets, who)
 
 
 def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> Rows:
@@ -95,8 +92,8 @@ def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> 
 
 
 def share(segments: list[Rows | Kept], rank: int, world: int) -> list[Rows]:
-    """Share ``rank`` of ``world`` of the segments' rows in order (contiguous, as ``elastic._share_of_rows`` cuts
-    them), reading only the kept rows that fall in it."""
+    """Share ``rank`` of ``world`` of the segments' rows in order: ``world`` contiguous shares of the concatenated
+    rows, reading only the kept rows that fall in this one."""
     counts = [s.count if isinstance(s, Kept) else (int(s["fields"][0].shape[0]) if s else 0) for s in segments]
     bounds = np.linspace(0, sum(counts), world + 1).astype(np.int64)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
