@@ -82,6 +82,13 @@ class Checkpoint:
 
     track_cut_pause_ms.unit = "ms"  # type: ignore[attr-defined]
 
+    def track_writers_held_ms(self, workload: str) -> float:
+        loader = self.running.loader
+        loader.state_dict()
+        return 1000 * loader._sup.cut_parts["writers_held"]
+
+    track_writers_held_ms.unit = "ms"  # type: ignore[attr-defined]
+
     def track_checkpoint_mb(self, workload: str) -> float:
         blob = io.BytesIO()
         torch.save(self.running.loader.state_dict(), blob)

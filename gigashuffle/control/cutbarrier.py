@@ -4,20 +4,23 @@ NOTE [ Node cut ]
 The ranks of a node share one buffer, so a checkpoint copies it once, and only while nothing moves in it: every
 writer and reader of every local rank paused. Every rank calls ``state_dict()`` at the same step (as it would
 save a model); its cut number is how many times this loader did (a resumed job counts from 1 again). The cut
-(NOTE [ Checkpoint cut ] in trainer/cut.py) passes two barriers:
-  1. ``PAUSED``: this rank's writers and readers are paused. Past it, local rank 0 copies the buffer's full
-     slots, while every rank copies its own announced batches;
-  2. ``COPIED``: this rank copied what it saves. Past it, the rank sends ``Resume``.
+(NOTE [ Checkpoint cut ] in trainer/cut.py) passes three barriers:
+  1. ``PAUSED``: this rank's writers and readers are paused. Past it, local rank 0 lists the buffer's full slots,
+     every rank its own announced batches;
+  2. ``LISTED``: this rank listed the rows it saves. Past it, the rank resumes its readers (no reader of the node
+     may draw a slot before rank 0 listed it) and copies the rows it listed;
+  3. ``COPIED``: this rank copied what it saves. Past it, the rank resumes its writers (none may write a slot
+     before rank 0 copied it).
 Each rank records in one hash, ``cut:<generation>`` (control/keys.py), field ``<local rank>`` = ``<cut> <phase>
 <token>``, and reads the others' in the same Lua call (``lua.CUT_ARRIVE``), polling until none is missing. An entry
 counts only while its token holds that rank's claim now, so an entry of a dead trainer or of an earlier job (one
 of the same generation whose claims lapsed and were taken over) never satisfies a barrier; the generation in the
 key keeps earlier sessions out, and the TTL (refreshed at every arrival) drops the hash once cuts stop. A rank
 that does not arrive within ``WAIT_S`` fails the checkpoint of every other rank with a ``CheckpointError`` that
-names it and where it was; no rank resumes before every rank copied, so a failed cut saves nothing inconsistent
-(a rank that arrives late finds the others' phase 2 missing and fails too). A poll is one Redis call (~0.1 ms);
-it starts at 0.5 ms and backs off to 20 ms, so a node's ranks leave a barrier within a millisecond of the last
-arrival while they arrive together.
+names it and where it was; no rank resumes its writers before every rank copied, so a failed cut saves nothing
+inconsistent (a rank that arrives late finds the others' later phase missing and fails too). A poll is one Redis
+call (~0.1 ms); it starts at 0.5 ms and backs off to 20 ms, so a node's ranks leave a barrier within a millisecond
+of the last arrival while they arrive together.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from gigashuffle.control.client import address, run_script
 from gigashuffle.control.plane import ControlPlane, text
 from gigashuffle.errors import CheckpointError
 
-PAUSED, COPIED = 1, 2
-_PHASES = {PAUSED: "paused its writers and readers", COPIED: "copied its rows"}
+PAUSED, LISTED, COPIED = 1, 2, 3
+_PHASES = {PAUSED: "paused its writers and readers", LISTED: "listed the rows it saves", COPIED: "copied its rows"}
 WAIT_S = 60.0  # how long a rank waits for the node's other ranks at one barrier
 TTL_MS = 600_000  # the cut hash outlives a node's checkpoints by ten minutes
 _FIRST_POLL_S, _LAST_POLL_S = 0.0005, 0.02

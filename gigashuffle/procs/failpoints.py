@@ -7,8 +7,9 @@ zygote imports this module; a call site costs one test of a module constant.
 die again). ``<point>=<n>:sleep=<seconds>`` instead makes the ``n``-th and every later pass that slow (a slow step
 that a protocol must wait for, not a synchronisation). Points: ``writer.after_commit`` (rows committed, nothing else
 done yet), ``reader.after_release`` (a draw's slots released, its batches not yet announced),
-``cut.before_buffer_copy`` (a checkpoint's cut on local rank 0, every rank of the node paused, before it copies the
-node's buffer: NOTE [ Node cut ] in control/cutbarrier.py).
+``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node paused, before it lists the
+full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py), ``cut.before_buffer_copy`` (the same
+rank, readers resumed, writers held, before it copies those slots).
 """
 
 from __future__ import annotations

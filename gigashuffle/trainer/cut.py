@@ -7,19 +7,25 @@ themselves ("rows way"), so any stateful dataset works. Every rank of the node c
   1. sends every writer ``StateRequest(pause=True)``: the writer publishes every row it copied, answers its
      dataset's state for exactly the rows not in the buffer (between chunks, ``state_dict()``; inside a chunk, the
      state before that chunk and ``skip`` = the rows of it already copied: NOTE [ Respawned writers ] in
-     procs/resume.py), and writes nothing until ``Resume``. A writer still putting a checkpoint's rows back answers
-     once they are all full. A writer that dies is asked again once started again (it starts held);
-  2. sends every reader ``Pause``: it gathers what it had drawn, announces those batches, answers ``Paused`` and
-     draws nothing until ``Resume``. The channel keeps order, so the trainer has every announced batch once it
-     has the ``Paused``. Writers go first so that readers keep draining the buffer while writers finish;
+     procs/resume.py), and writes nothing until ``Resume``. A writer still putting a checkpoint's rows back
+     answers with the rows it has not put back yet, which this cut saves again. A writer that dies is asked again
+     once started again (it starts held);
+  2. sends every reader ``Pause`` in the same round as 1 (the two waits overlap: on a busy node each is a wait
+     for the scheduler): it gathers what it had drawn, announces those batches, answers ``Paused`` and draws
+     nothing until ``Resume``. The channel keeps order, so the trainer has every announced batch once it has the
+     ``Paused``;
   3. waits at the node barrier ``PAUSED`` until every local rank did 1 and 2 (NOTE [ Node cut ] in
      control/cutbarrier.py; no barrier with one rank per node): from then on nothing moves in the node's buffer;
-  4. copies out the rows of every announced batch not yet handed to its caller and, on local rank 0 only, of
-     every full slot of the buffer: one ``uint8 [n, row_bytes]`` tensor per field, into arrays allocated and
-     faulted in before step 1, with the buffer itself (mapped with the slot table on that rank) faulted in before
-     a loader's first pause, so the pause is the copy (trainer/savedrows.py, NOTE [ Faulting in before the pause ]);
-  5. waits at the barrier ``COPIED`` until every local rank copied, then sends ``Resume`` to all. Training goes
-     on from the same buffer: the cut changes nothing it delivers.
+  4. lists the rows it saves: every announced batch not yet handed to its caller and, on local rank 0 only, every
+     full slot of the buffer; waits at the barrier ``LISTED`` until every local rank listed;
+  5. resumes its readers: the node delivers again (the pause ends here). A reader leaves the bytes of a slot it
+     draws as they are, and no writer writes, so the listed rows stay what they were at the cut;
+  6. copies the listed rows, one ``uint8 [n, row_bytes]`` tensor per field, into arrays allocated and faulted in
+     before step 1, with the buffer itself (mapped with the slot table on that rank) faulted in before a loader's
+     first pause (trainer/savedrows.py, NOTE [ Faulting in before the pause ]). A ring batch listed is not handed
+     out before the copy (this thread does both), so its reader does not reuse its ring slot;
+  7. waits at the barrier ``COPIED`` until every local rank copied, then resumes its writers. Training goes on
+     from the same buffer: the cut changes nothing it delivers.
 On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
 counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
 skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
@@ -28,11 +34,11 @@ took them finished, unless the caller passes them as ``state_dict(unconsumed=[..
 rows are read back from the batches and saved after the cut's (trainer/unconsumed.py). Not for ``fill_once`` or
 ``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
 (unpaused) and no row, and says so once per queue in a warning.
-Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``:
-at ``shuffle_size`` 1M tiny rows (80 B) on the shared 2-core VM a loader's first pause is 19-142 ms (226-616 ms while
-the page faults were inside it), later ones 29-84 ms (medians), of which the copy is 10-13 ms; the state is 70-81
-MB. With several ranks per node the two barriers add two Redis calls (~0.2 ms each) and the wait for the node's
-slowest rank.
+Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``.
+The copy was most of the pause (at ``shuffle_size`` 1M tiny rows, 80 B: 14 ms of ~20 on a quiet 2-core VM, 39 ms
+of 41-60 with four CPU-bound processes beside the loader); from step 5 on it runs while the node delivers, and
+only the writers wait for it, with a full buffer in front of the readers. With several ranks per node the three
+barriers add three Redis calls (~0.2 ms each) and the wait for the node's slowest rank.
 """
 
 from __future__ import annotations
@@ -81,30 +87,44 @@ def take(
     started = time.monotonic()  # the pause starts here
     number = sup.start_cut(pause)
     barrier = _barrier(sup, config) if pause else None
+    readers = _ReaderPause(sup, config)
+    marks: list[tuple[str, float]] = []
     try:
-        answers = _writer_states(sup, config, deadline, pause)
-        rows: dict[str, Any] = {}
-        if pause:
-            _pause_readers(sup, config, deadline)
-            _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
-            if by_positions:  # NOTE [ Positions checkpoint ] in trainer/positions.py
-                answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)
-            else:
-                if saved is None:
-                    raise AssertionError("a cut of saved rows without its arrays")
-                rows = saved.take(sup, answers, copy_buffer=copy_buffer)
-            _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
+        # Readers are asked with the writers, not after them: the two waits overlap (a writer putting saved rows
+        # back still answers when paused readers leave it no empty slot: it sends the rows left with its state).
+        answers = _writer_states(sup, config, deadline, pause, readers if pause else None)
+        marks.append(("writers", time.monotonic()))
+        if not pause:
+            return answers, {}
+        readers.wait(deadline)
+        marks.append(("readers", time.monotonic()))
+        _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
+        marks.append(("barrier", time.monotonic()))
+        if by_positions:  # NOTE [ Positions checkpoint ] in trainer/positions.py
+            answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)
+            marks.append(("list", time.monotonic()))
+        else:
+            if saved is None:
+                raise AssertionError("a cut of saved rows without its arrays")
+            listed = saved.list_rows(sup, answers, copy_buffer=copy_buffer)
+            _wait(sup, barrier, number, cutbarrier.LISTED, deadline)
+            marks.append(("list", time.monotonic()))
+            readers.resume()  # the node delivers again; its writers stay held until every rank copied
+            rows = listed.copy()
+            marks.append(("copy", time.monotonic()))
+        _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
         return answers, rows
     finally:
         if pause:
-            for child in [*sup.writers(), *sup.readers()]:
+            readers.resume()
+            for child in sup.writers():
                 try:
                     child.channel.send(Resume())
                 except OSError:
                     continue  # dying: its successor starts unpaused
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
-        sup.end_cut(started)
+        sup.end_cut(started, readers.resumed_at, _parts(started, marks))
 
 
 def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
@@ -141,8 +161,11 @@ def _warn_inexact(config: DataloaderConfig) -> None:
     )
 
 
-def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool) -> list[DatasetState]:
-    """Every writer's answer; a writer that dies before it answers is asked again once started again."""
+def _writer_states(
+    sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool, readers: _ReaderPause | None
+) -> list[DatasetState]:
+    """Every writer's answer; a writer that dies before it answers is asked again once started again. ``readers``
+    are asked to pause in the same rounds."""
     answers: dict[int, DatasetState] = {}
     asked: dict[int, tuple[int, int]] = {}  # writer index -> (the child's spawn seq, the request it got)
     while len(answers) < config.num_writers:
@@ -155,6 +178,8 @@ def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, p
             except OSError:
                 continue  # it is dying: the zygote reports its exit and the supervisor starts it again
             asked[child.index] = (child.seq, request)
+        if readers is not None:
+            readers.ask()
         sup.pump(_POLL_S)
         for index, (_seq, request) in asked.items():
             answer = sup.state_of(index)
@@ -170,23 +195,56 @@ def _writer_states(sup: Supervisor, config: DataloaderConfig, deadline: float, p
     return [answers[i] for i in range(config.num_writers)]
 
 
-def _pause_readers(sup: Supervisor, config: DataloaderConfig, deadline: float) -> None:
-    asked: set[int] = set()
-    while True:
-        readers = sup.readers()
-        for child in readers:
-            if child.seq not in asked:
+class _ReaderPause:
+    """Asks every reader of the rank to pause (once per spawned child), tells when all that hold rows have, and
+    resumes them."""
+
+    def __init__(self, sup: Supervisor, config: DataloaderConfig) -> None:
+        self._sup, self._config = sup, config
+        self._asked: set[int] = set()  # spawn seqs
+        self._resumed: set[int] = set()
+        self.resumed_at: float | None = None  # when the first Resume went out: the node's delivery pause ends
+
+    def ask(self) -> None:
+        for child in self._sup.readers():
+            if child.seq not in self._asked:
                 try:
                     child.channel.send(Pause())
                 except OSError:
                     continue
-                asked.add(child.seq)
-        # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
-        if all(sup.is_paused(c) for c in readers if c.ring is not None):
-            return
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"queue {config.queue_name!r} rank {config.global_rank}: readers did not pause for the checkpoint "
-                "in time"
-            )
-        sup.pump(_POLL_S)
+                self._asked.add(child.seq)
+
+    def wait(self, deadline: float) -> None:
+        while True:
+            self.ask()
+            # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
+            if all(self._sup.is_paused(c) for c in self._sup.readers() if c.ring is not None):
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"queue {self._config.queue_name!r} rank {self._config.global_rank}: readers did not pause for "
+                    "the checkpoint in time"
+                )
+            self._sup.pump(_POLL_S)
+
+    def resume(self) -> None:
+        """Resume every reader not resumed yet, and those started since (a reader started in a cut starts paused)."""
+        if self.resumed_at is None:
+            self.resumed_at = time.monotonic()
+        for child in self._sup.readers():
+            if child.seq in self._resumed:
+                continue
+            try:
+                child.channel.send(Resume())
+            except OSError:
+                continue  # dying: its successor starts unpaused
+            self._resumed.add(child.seq)
+
+
+def _parts(started: float, marks: list[tuple[str, float]]) -> dict[str, float]:
+    """Seconds each phase of the pause took (for the bench): the writers' answers, the readers' pause, the node
+    barrier, the copy."""
+    parts, before = {}, started
+    for name, at in marks:
+        parts[name], before = at - before, at
+    return parts

@@ -66,39 +66,37 @@ class SavedRows:
             for array in self._arrays:
                 fault_in_for_write(array)
 
-    def take(self, sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> dict[str, Any]:
-        """In the pause: the rows of every full slot of the buffer (``copy_buffer``: one rank of a node copies it),
-        of every batch announced and not handed out, and those of the last checkpoint that a writer had not yet
-        put back. Each row is copied once, straight into its place: this copy is most of the cut's pause."""
+    def list_rows(self, sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> Listed:
+        """In the pause: which rows the cut saves (every full slot of the buffer, ``copy_buffer``: one rank of a node
+        lists it; every batch announced and not handed out; the rows of the last checkpoint that a writer had not
+        yet put back), and the arrays sized for them. The copy may run once the readers go on (``Listed.copy``)."""
         table = sup.table() if copy_buffer else None
         if failpoints.ACTIVE and table is not None:
-            failpoints.reached("cut.before_buffer_copy")
-        arrays: list[list[Any]] = []  # per source, per field: rows to copy as they are
+            failpoints.reached("cut.before_buffer_list")
+        pieces: list[list[Any]] = []  # per source, per field: rows to copy as they are
         layout_json = ""
         for answer in answers:
             if answer.rows and len(answer.rows[0]):
-                arrays.append([np.asarray(f) for f in answer.rows])
+                pieces.append([np.asarray(f) for f in answer.rows])
                 layout_json = answer.layout_json
         for child, k in sup.inbox.waiting():
             if child.ring is None:
                 raise AssertionError("a batch announced by a reader without a ring")
-            arrays.append([f.numpy() for f in child.ring.regions(k)[0]])
+            pieces.append([f.numpy() for f in child.ring.regions(k)[0]])
             layout_json = layout_json or child.ring.layout.to_json()
         buffer, ids = None, np.empty(0, dtype=np.int64)
         if table is not None:
             buffer = self.buffer or sup.node_table.rows()
             layout_json = buffer.layout.to_json()
             ids = table.full_ids()
-        total = len(ids) + sum(len(fields[0]) for fields in arrays)
+        total = len(ids) + sum(len(fields[0]) for fields in pieces)
         if not total:
             self._arrays = []
-            return {}
+            return Listed(layout_json, [], None, ids, [])
         widths = (
-            [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in arrays[0]]
+            [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
         )
-        views = self._sized(total, widths)
-        copy_rows(views, buffer, ids, arrays)
-        return {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
+        return Listed(layout_json, self._sized(total, widths), buffer, ids, pieces)
 
     def _sized(self, total: int, widths: list[int]) -> list[Rows]:
         """The prepared arrays resized to ``total`` rows in place (no copy), or new ones if there are none."""
@@ -111,6 +109,24 @@ class SavedRows:
         for array, width in zip(prepared, widths, strict=True):
             array.resize((total, width), refcheck=False)  # a shrink: nothing else refers to it, no byte is copied
         return prepared
+
+
+class Listed:
+    """The rows a cut saves, listed in its pause: the buffer's slot ids, the other sources' rows, the arrays."""
+
+    def __init__(self, layout_json: str, views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[Any]):
+        self._layout_json, self._views, self._buffer, self._ids, self._pieces = layout_json, views, buffer, ids, pieces
+
+    def copy(self) -> dict[str, Any]:
+        """Copy the listed rows into their arrays: each row once, straight into its place. The buffer's rows may be
+        copied after the readers went on (they leave a slot's bytes as they are) but not once a writer may write
+        again: the cut holds the node's writers until every rank copied (NOTE [ Checkpoint cut ])."""
+        if not self._views:
+            return {}
+        if failpoints.ACTIVE and self._buffer is not None:
+            failpoints.reached("cut.before_buffer_copy")
+        copy_rows(self._views, self._buffer, self._ids, self._pieces)
+        return {"layout": self._layout_json, "fields": [torch.from_numpy(v) for v in self._views]}
 
 
 def copy_rows(views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[list[Any]]) -> None:

@@ -95,6 +95,7 @@ class Supervisor:
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
         self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
+        self.cut_parts: dict[str, float] = {}  # seconds per phase of the last cut's pause (for the bench)
         self._pumping = threading.RLock()  # see pump()
         self._cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
@@ -137,7 +138,8 @@ class Supervisor:
 
     @property
     def last_cut_s(self) -> float:
-        """How long the last checkpoint's cut paused this rank's writers and readers (for the bench)."""
+        """How long the last checkpoint's cut kept this rank's readers from delivering (for the bench); its writers
+        are held longer, until every rank of the node copied its rows (``cut_parts["writers_held"]``)."""
         return self._last_cut_s
 
     def late_writers(self) -> list[int]:
@@ -394,11 +396,14 @@ class Supervisor:
         self._cuts += 1
         return self._cuts
 
-    def end_cut(self, started: float) -> None:
-        """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again."""
+    def end_cut(self, started: float, readers_resumed: float | None, parts: dict[str, float]) -> None:
+        """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again. Its
+        readers went on at ``readers_resumed`` (None: only now); ``parts``: seconds per phase (for the bench)."""
         self._specs.cutting = False
         self._paused.clear()
-        self._last_cut_s = time.monotonic() - started
+        ended = time.monotonic()
+        self._last_cut_s = (readers_resumed or ended) - started
+        self.cut_parts = {**parts, "writers_held": ended - started}
 
     def state_of(self, index: int) -> DatasetState | None:
         """Writer ``index``'s answer to the last ``StateRequest`` it answered."""

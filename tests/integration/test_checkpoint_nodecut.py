@@ -116,11 +116,11 @@ def run_scenario(
 # counts its own writers' rows in the shared buffer and saves the other ranks' rows it holds in its rings.
 @pytest.mark.parametrize("way", ["saved", "positions"])
 def test_two_ranks_of_one_node_resume_every_row_once(redis_url: str, tmp_path: Path, way: str) -> None:
-    """Local rank 0 copies the node buffer slowly (fail point, 0.5 s): the other rank must wait at COPIED, or its
-    readers take rows rank 0 has not copied yet (lost) and its writers add rows their saved state reads again (twice;
-    24 ids twice with the wait skipped)."""
-    slow_copy = {0: "cut.before_buffer_copy=1:sleep=0.5"}
-    assert run_scenario(redis_url, tmp_path, way=way, failpoints=slow_copy)[:2] == (0, 0)
+    """Local rank 0 lists and copies the node buffer slowly (fail points, 0.5 s each): the other rank must wait at
+    LISTED, or its readers take rows rank 0 has not listed yet (lost), and at COPIED, or its writers overwrite rows
+    rank 0 has not copied yet (lost) and add rows their saved state reads again (twice)."""
+    slow_cut = {0: "cut.before_buffer_list=1:sleep=0.5,cut.before_buffer_copy=1:sleep=0.5"}
+    assert run_scenario(redis_url, tmp_path, way=way, failpoints=slow_cut)[:2] == (0, 0)
 
 
 def test_two_nodes_of_two_ranks_on_one_redis_resume_every_row_once(redis_url: str, tmp_path: Path) -> None:

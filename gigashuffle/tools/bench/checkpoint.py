@@ -1,5 +1,6 @@
 """What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py) on each workload of ``gigashuffle bench``:
-the cut's pause (a loader's first checkpoint, and the median of its later ones), ``state_dict()``'s latency, the
+the cut's pause, while the readers deliver nothing (a loader's first checkpoint, and the median of its later ones;
+its parts, and how long the writers are held, the copy included), ``state_dict()``'s latency, the
 checkpoint's size and saved rows, and the time to the first batch of a loader given the checkpoint against that of
 a fresh loader.
 
@@ -10,7 +11,8 @@ One rank, 2 writers, 2 readers, a stateful dataset that yields the workload's ch
 (its state is the writer's count of chunks). Each round: a fresh loader's dummy batch and first batch (the
 baseline); then a loader reads ``--batches`` batches before each of ``--cuts`` checkpoints; the first checkpoint is
 saved with ``torch.save``, and a new loader of the same queue loads it right after construction: its dummy batch
-and first batch are timed. ``--workload counter`` is the 16-byte rows (two int64) of the earlier figures.
+and first batch are timed. ``--busy N`` runs N processes spinning on the CPU meanwhile (a node with more
+runnable processes than cores). ``--workload counter`` is the 16-byte rows (two int64) of the earlier figures.
 ``--way saved,positions``: each way of ``DataloaderConfig.checkpoint_rows`` in turn, a row each (NOTE [ Positions
 checkpoint ] in trainer/positions.py); "re-read k" counts the rows a positions checkpoint has the writers re-read.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -122,6 +126,8 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
                 which = "first" if cut == 0 else "later"
                 note(f"state_dict_{which}_s", time.perf_counter() - t0)
                 note(f"pause_{which}_s", loader._sup.last_cut_s)
+                for part, seconds in getattr(loader._sup, "cut_parts", {}).items():  # older trees: none
+                    note(f"part_{part}_s", seconds)
                 saved = state[rank_key(cfg.global_rank)]["rows"]
                 note("saved_rows", float(saved["count"]) if saved else 0.0)
                 where = state[rank_key(cfg.global_rank)].get("positions") or []
@@ -142,7 +148,8 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
 
 COLUMNS = ("workload", "way", "shuffle_size", "row B", "pause first ms", "pause later ms", "state_dict first ms",
            "state_dict later ms", "saved rows k", "re-read k", "size MB", "torch.save s", "dummy fresh / resumed s",
-           "first batch fresh / resumed s")  # fmt: skip
+           "first batch fresh / resumed s",
+           "pause parts ms: writers / readers / list; then copy; writers held")  # fmt: skip
 
 
 def row(workload: str, shuffle_size: int, figures: dict[str, list[float]], way: str = "saved") -> str:
@@ -162,7 +169,9 @@ def row(workload: str, shuffle_size: int, figures: dict[str, list[float]], way: 
              f"{min(saved) / 1e3:.0f}-{max(saved) / 1e3:.0f}", f"{min(reread) / 1e3:.0f}-{max(reread) / 1e3:.0f}",
              each("size_mb", 1, ".1f"),
              each("save_s", 1, ".2f"), f"{med('dummy_fresh_s', 1, '.2f')} / {med('dummy_resumed_s', 1, '.2f')}",
-             f"{each('first_fresh_s', 1, '.2f')} / {each('first_resumed_s', 1, '.2f')}"]  # fmt: skip
+             f"{each('first_fresh_s', 1, '.2f')} / {each('first_resumed_s', 1, '.2f')}",
+             " / ".join(med(f"part_{part}_s", 1e3, ".1f") for part in ("writers", "readers", "list"))
+             + f"; {med('part_copy_s', 1e3, '.1f')}; {med('part_writers_held_s', 1e3, '.1f')}"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -176,7 +185,23 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--way", default="saved", help="checkpoint_rows ways, comma-separated: saved,positions")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="processes spinning on the CPU meanwhile: a node busier than its cores (the pause's waits)",
+    )
     args = p.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        _print_table(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def _print_table(args: argparse.Namespace) -> None:
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     print(f"2 writers + 2 readers, {args.batches} batches before each of {args.cuts} checkpoints, {args.rounds} rounds")
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS), flush=True)
