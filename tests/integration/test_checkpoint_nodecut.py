@@ -115,23 +115,21 @@ def run_scenario(
 # Each way of bringing rows back (NOTE [ Positions checkpoint ] in trainer/positions.py): by positions each rank
 # counts its own writers' rows in the shared buffer and saves the other ranks' rows it holds in its rings.
 @pytest.mark.parametrize("way", ["saved", "positions"])
-def test_two_ranks_of_one_node_resume_every_row_once(redis_url: str, tmp_path: Path, way: str) -> None:
+def test_two_ranks_of_one_node_resume_every_row_once_past_a_slow_cut_a_killed_reader_and_a_rerun(
+    redis_url: str, tmp_path: Path, way: str
+) -> None:
     """Local rank 0 lists and copies the node buffer slowly (fail points, 0.5 s each): the other rank must wait at
     LISTED, or its readers take rows rank 0 has not listed yet (lost), and at COPIED, or its writers overwrite rows
-    rank 0 has not copied yet (lost) and add rows their saved state reads again (twice)."""
+    rank 0 has not copied yet (lost) and add rows their saved state reads again (twice). In segment 1 a reader of
+    the last rank is SIGKILLed, and that segment runs twice from the same checkpoint (a job that crashed before its
+    next checkpoint): its first run's rows and checkpoint are dropped."""
     slow_cut = {0: "cut.before_buffer_list=1:sleep=0.5,cut.before_buffer_copy=1:sleep=0.5"}
-    assert run_scenario(redis_url, tmp_path, way=way, failpoints=slow_cut)[:2] == (0, 0)
+    lost_twice = run_scenario(redis_url, tmp_path, way=way, failpoints=slow_cut, kill_reader_in=1, retry_segment=1)
+    assert lost_twice[:2] == (0, 0)
 
 
 def test_two_nodes_of_two_ranks_on_one_redis_resume_every_row_once(redis_url: str, tmp_path: Path) -> None:
     assert run_scenario(redis_url, tmp_path, world=4, local_world=2)[:2] == (0, 0)
-
-
-@pytest.mark.parametrize("way", ["saved", "positions"])
-def test_a_reader_killed_mid_segment_costs_no_row_and_repeats_none(redis_url: str, tmp_path: Path, way: str) -> None:
-    """Segment 1 also runs twice from the same checkpoint (a job that crashed before its next checkpoint): its first
-    run's rows and checkpoint are dropped."""
-    assert run_scenario(redis_url, tmp_path, kill_reader_in=1, retry_segment=1, way=way)[:2] == (0, 0)
 
 
 if __name__ == "__main__":  # measure any checkout: PYTHONPATH=<checkout> python test_checkpoint_nodecut.py URL DIR
