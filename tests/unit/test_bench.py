@@ -365,3 +365,16 @@ def test_duplicate_fraction_counts_like_unique_over_writers_with_gaps() -> None:
 
 def test_the_light_parser_knows_every_workload() -> None:
     assert tuple(WORKLOADS) == options.WORKLOAD_NAMES
+
+
+def test_elastic_bench_shards_hold_every_id_once_and_its_row_names_each_value(tmp_path: Path) -> None:
+    from gigashuffle.shards import PtReader
+    from gigashuffle.tools.bench import elastic
+
+    paths = elastic.make_shards(tmp_path, shards=3, rows=5)
+    ids = torch.cat([PtReader()(p)[1](0, 5)[0]["id"] for p in paths])
+    assert sorted(ids.tolist()) == list(range(15))
+    names = ("size_mb", "saved_k", "reread_k", "load_state_dict_s", "first_batch_s")
+    runs = [dict(zip(names, (1.25, 3.0, 0.0, 0.5, 1.0), strict=True)),
+            dict(zip(names, (2.0, 5.0, 0.0, 0.25, 2.0), strict=True))]  # fmt: skip
+    assert elastic._row("saved", 3, runs) == "| saved | 2 -> 3 | 1.2, 2.0 | 3-5 | 0-0 | 0.50, 0.25 | 1.00, 2.00 |"
