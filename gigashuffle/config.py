@@ -97,6 +97,10 @@ class DataloaderConfig:
     ``checkpoint_rows``: how ``state_dict()`` brings back the rows read and not yet trained on: ``"saved"`` saves
     the rows themselves; ``"positions"`` saves where they came from and the writers re-read them (NOTE
     [ Positions checkpoint ] in trainer/positions.py; needs a dataset that re-reads deterministically).
+    ``first_mix_wait_s``: until the node's first read each writer copies only its share of ``min_mixing``, so that
+    the first batches mix every writer of the node; a writer whose share is in waits this long for the others (a
+    slow first download, a rank that starts late) before it fills on alone (NOTE [ First mix ] in
+    procs/firstmix.py). 0 turns the wait off.
     """
 
     bs: int
@@ -127,6 +131,7 @@ class DataloaderConfig:
     index_key: bool = True
     steps_per_epoch: int | None = None
     checkpoint_rows: str = "saved"
+    first_mix_wait_s: float = 10.0
 
     @classmethod
     def from_env(cls, **fields: Any) -> DataloaderConfig:
@@ -186,7 +191,7 @@ class DataloaderConfig:
     def _check_types(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("min_mixing", "redis_timeout_s"):
+            if f.name in ("min_mixing", "redis_timeout_s", "first_mix_wait_s"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise TypeError(f"DataloaderConfig.{f.name}={value!r} must be a number")
             elif f.type in ("int", "int | None") and value is not None:
@@ -230,6 +235,8 @@ class DataloaderConfig:
             raise _fail("max_restarts", self.max_restarts, "use 0 (fail fast) or a positive budget")
         if not self.redis_timeout_s > 0:
             raise _fail("redis_timeout_s", self.redis_timeout_s, "use a positive number of seconds")
+        if not 0 <= self.first_mix_wait_s < math.inf:
+            raise _fail("first_mix_wait_s", self.first_mix_wait_s, "use a number of seconds >= 0 (0: no wait)")
 
     def _check_ranks(self) -> None:
         if self.local_world_size < 1:

@@ -14,10 +14,11 @@ header, read without the lock) going above zero lifts the cap for good; it is ab
 respawned later or attached to a buffer that was read before.
 
 A writer that is late (a slow first download) or never writes (an empty share: NOTE [ Empty shares ] in
-procs/writer.py) would hold the node back for good, so a writer capped for ``FIRST_MIX_WAIT_S`` lifts its cap and
-logs how full the buffer is; it reports ``MixShare`` to its trainer when its share is in, and the trainer, still
-waiting for its first batch after that long, logs which of its writers have not (each rank names its own). Cost: one
-header read per backoff step (at most 8 ms) of a capped writer, nothing once the node has read.
+procs/writer.py) would hold the node back for good, so a writer capped for ``DataloaderConfig.first_mix_wait_s``
+(10 s by default) lifts its cap and logs how full the buffer is; it reports ``MixShare`` to its trainer when its
+share is in, and the trainer, still waiting for its first batch after that long, logs which of its writers have not
+(each rank names its own). Cost: one header read per backoff step (at most 8 ms) of a capped writer, nothing once the
+node has read.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from gigashuffle.shm.slottable import SlotTable
 log = logging.getLogger(__name__)
 
 # How long a writer that has written its share waits for the others before it fills on without them.
-FIRST_MIX_WAIT_S = 10.0
 
 
 def node_writers(config: DataloaderConfig) -> int:
@@ -74,7 +74,7 @@ class FirstMix:
         now = time.monotonic()
         if self._capped_since is None:
             self._capped_since = now
-        elif now - self._capped_since >= FIRST_MIX_WAIT_S:
+        elif now - self._capped_since >= self.config.first_mix_wait_s:
             self.lifted = True
             full = self.table.counts()[2].full
             cfg = self.config
@@ -82,7 +82,7 @@ class FirstMix:
                 "writer %d of queue %r rank %d: the buffer has %d of the %d full rows the readers wait for after "
                 "%.0f s with this writer's share of %d rows in; the node's other %d writers are late (see their "
                 "trainers' logs), so this writer fills on without them and the first batches mix fewer writers",
-                self.index, cfg.queue_name, cfg.global_rank, full, cfg.min_full_slots, FIRST_MIX_WAIT_S, self.share,
+                self.index, cfg.queue_name, cfg.global_rank, full, cfg.min_full_slots, cfg.first_mix_wait_s, self.share,
                 node_writers(cfg) - 1,
             )  # fmt: skip
             return n

@@ -16,7 +16,7 @@ import torch
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
-from gigashuffle.procs.firstmix import FIRST_MIX_WAIT_S, share
+from gigashuffle.procs.firstmix import share
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import INDEX_KEY
@@ -51,7 +51,7 @@ class Batches:
         # Filling progress is shown while this rank waits for its first batch, then never again.
         self._progress: progress.FillProgress | None = None
         self._first_batch_seen = False
-        self._late_writers_due = time.monotonic() + FIRST_MIX_WAIT_S  # NOTE [ First mix ] in procs/firstmix.py
+        self._late_writers_due = time.monotonic() + config.first_mix_wait_s  # NOTE [ First mix ] in procs/firstmix.py
 
     def check_open(self) -> None:
         if self._sup.closed:
@@ -221,7 +221,7 @@ def _log_late_writers(sup: Supervisor) -> None:
             "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
             "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
             "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
-            cfg.queue_name, cfg.global_rank, late, share(cfg), FIRST_MIX_WAIT_S, FIRST_MIX_WAIT_S,
+            cfg.queue_name, cfg.global_rank, late, share(cfg), cfg.first_mix_wait_s, cfg.first_mix_wait_s,
         )  # fmt: skip
 
 

@@ -60,7 +60,9 @@ def _tamper(url: str, meta_key: str, field: str) -> None:
 )
 def test_tampered_metadata_is_refused(chaos: Any, redis_url: str, field: str, newcomer: str, seed: int) -> None:
     rng = chaos.begin("tampered meta", f"{field}, {newcomer}", seed, redis_url)
-    ranks = {"local_world_size": 2, "global_world_size": 2} if newcomer.startswith("dummy") else {}
+    ranks: dict[str, Any] = {}
+    if newcomer.startswith("dummy"):  # the other rank comes after the tampering: no wait for its first-mix share
+        ranks = {"local_world_size": 2, "global_world_size": 2, "first_mix_wait_s": 0.0}
     cfg = chaos.config(bs=4, max_restarts=3, num_readers=1, **ranks)
     loader = chaos.loader(ChaosDataset(rows=8), cfg)
     consumer = chaos.consumer(loader)

@@ -101,8 +101,10 @@ def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_lea
 ) -> None:
     """``evict_on_read=False``: no rows saved, no node barrier (rank 1 of the node never calls), one warning."""
     queue = f"cbe-{uuid.uuid4().hex[:8]}"
+    # Rank 1 never runs: rank 0's writer fills past the node's first mix without waiting for rank 1's.
     cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1, evict_on_read=False,
-                           local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
+                           local_world_size=2, global_world_size=2, redis_url=redis_url,
+                           first_mix_wait_s=0.0)  # fmt: skip
     with MultiprocessShuffledDataloader(Counter(), cfg) as loader, caplog.at_level("WARNING"):
         take(iter(loader), 2)
         states = [loader.state_dict()["rank0"] for _ in range(2)]

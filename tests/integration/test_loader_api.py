@@ -257,8 +257,9 @@ def test_an_unpicklable_dataset_is_refused_at_construction(redis_url: str, runti
 
 def test_a_second_rank_with_other_settings_is_refused(redis_url: str) -> None:
     queue = _queue("mismatch")
+    # Rank 1 never runs: rank 0's writer fills past the node's first mix without waiting for rank 1's.
     common = dict(queue_name=queue, shuffle_size=64, num_writers=1, num_readers=1, local_world_size=2,
-                  global_world_size=2, redis_url=redis_url)  # fmt: skip
+                  global_world_size=2, redis_url=redis_url, first_mix_wait_s=0.0)  # fmt: skip
     with MultiprocessShuffledDataloader(UniqueIds(), DataloaderConfig(bs=4, **common)) as rank0:  # type: ignore[arg-type]
         other = DataloaderConfig(bs=8, local_rank=1, global_rank=1, **common)  # type: ignore[arg-type]
         with pytest.raises(ConfigMismatchError, match="bs"):

@@ -201,8 +201,10 @@ def test_a_writer_whose_share_is_empty_idles_instead_of_failing(redis_url: str, 
     (no busy loop), stay alive, answer state_dict, and try again after load_state_dict."""
     passes = str(tmp_path / "passes")
     retries = 3
+    # Writer 0 waits first_mix_wait_s for the others' first-mix shares, which never come (NOTE [ First mix ]).
     cfg = DataloaderConfig(bs=4, shuffle_size=32, queue_name=f"empty-share-{uuid.uuid4().hex[:8]}", num_writers=3,
-                           num_readers=1, writer_max_retries=retries, redis_url=redis_url)  # fmt: skip
+                           num_readers=1, writer_max_retries=retries, redis_url=redis_url,
+                           first_mix_wait_s=1.0)  # fmt: skip
     with MultiprocessShuffledDataloader(FewShards(shards=1, passes_file=passes), cfg) as loader:
         it = iter(loader)
         idle = {1: retries + 1, 2: retries + 1}
@@ -263,8 +265,10 @@ def test_fill_once_fills_every_slot_while_one_writer_waits_for_data(redis_url: s
     """With fill_once a writer reserves nothing ahead (NOTE [ Writer cycle ]): the last empty slots go to whichever
     writer has rows, so a writer whose source waits cannot keep the buffer from filling, and the pass starts."""
     slots, gate = 64, tmp_path / "gate"
+    # Writer 1 waits first_mix_wait_s for writer 0's first-mix share, which never comes (NOTE [ First mix ]).
     cfg = DataloaderConfig(bs=4, shuffle_size=slots, queue_name=f"fill-wait-{uuid.uuid4().hex[:8]}", num_writers=2,
-                           num_readers=1, fill_once=True, min_mixing=1.0, redis_url=redis_url)  # fmt: skip
+                           num_readers=1, fill_once=True, min_mixing=1.0, redis_url=redis_url,
+                           first_mix_wait_s=1.0)  # fmt: skip
     with MultiprocessShuffledDataloader(FirstWriterWaits(str(gate), chunk=4), cfg) as loader:
         wait_for(lambda: loader.stats().full == 4 or None, "writer 0's one chunk published")
         gate.touch()  # writer 1 starts; writer 0 waits in its source from now on

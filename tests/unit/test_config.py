@@ -46,6 +46,8 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({"max_restarts": -1}, ValueError, "max_restarts", -1, "fail fast"),
     ({"redis_timeout_s": 0}, ValueError, "redis_timeout_s", 0, "positive number of seconds"),
     ({"redis_timeout_s": -1.0}, ValueError, "redis_timeout_s", -1.0, "positive number of seconds"),
+    ({"first_mix_wait_s": -0.5}, ValueError, "first_mix_wait_s", -0.5, "seconds >= 0"),
+    ({"first_mix_wait_s": float("inf")}, ValueError, "first_mix_wait_s", float("inf"), "seconds >= 0"),
     # modes
     ({**FILL_ONCE, "evict_on_read": False}, ValueError, "evict_on_read", False, "fill_once=True never evicts"),
     ({**FILL_ONCE, "num_readers": 2}, ValueError, "num_readers", 2, "fill_once=True yields one ordered pass"),
@@ -95,6 +97,7 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str, object, str]] = [
     ({"min_mixing": True}, TypeError, "min_mixing", True, "must be a number"),
     ({"min_mixing": "0.5"}, TypeError, "min_mixing", "0.5", "must be a number"),
     ({"redis_timeout_s": None}, TypeError, "redis_timeout_s", None, "must be a number"),
+    ({"first_mix_wait_s": "10"}, TypeError, "first_mix_wait_s", "10", "must be a number"),
     ({"fill_once": 1}, TypeError, "fill_once", 1, "must be True or False"),
     ({"evict_on_read": "yes"}, TypeError, "evict_on_read", "yes", "must be True or False"),
     ({"queue_name": 5}, TypeError, "queue_name", 5, "must be a str"),
