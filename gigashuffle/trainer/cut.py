@@ -242,8 +242,8 @@ class _ReaderPause:
 
 
 def _parts(started: float, marks: list[tuple[str, float]]) -> dict[str, float]:
-    """Seconds each phase of the pause took (for the bench): the writers' answers, the readers' pause, the node
-    barrier, the copy."""
+    """Seconds each phase of the cut took (for the bench): the writers' answers, the readers' pause, the node
+    barrier, the listing (the pause ends there), the copy."""
     parts, before = {}, started
     for name, at in marks:
         parts[name], before = at - before, at

@@ -1,18 +1,20 @@
 """The rows a checkpoint's cut saves (NOTE [ Checkpoint cut ] in trainer/cut.py), in arrays made ready before the
-pause, so that the pause is the copy and nothing else.
+pause, so that the copy takes no page fault.
 
 Before the pause (``SavedRows(...)``): the buffer is mapped and, on a loader's first checkpoint, faulted in
 (``TableView.rows_for_cut``), and one array per field is allocated and faulted in for the rows the cut will likely
 save: the full slots now, plus a sixteenth of the buffer for the writers that write on until they pause, plus every
-reader's whole ring. In the pause (``take``), the arrays are shrunk in place to the rows saved before the copy
-(``ndarray.resize`` is ``realloc``, for an array this large ``mremap``: no byte is copied). If more rows come than
-estimated, new arrays are allocated in the pause, as without this. (NOTE [ Faulting in before the pause ] in
+reader's whole ring. In the pause (``list_rows``), the arrays are shrunk in place to the rows saved (``ndarray.resize``
+is ``realloc``, for an array this large ``mremap``: no byte is copied); the copy (``Listed.copy``) comes after the
+readers went on, with the writers still held. If more rows come than estimated, new arrays are allocated in the
+pause, as without this. (NOTE [ Faulting in before the pause ] in
 shm/prefault.py has the figures.) The price is memory: the estimate's surplus over the rows saved (at most a
 sixteenth of the buffer plus the rings' empty slots), held only during ``state_dict()``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ Rows = npt.NDArray[np.uint8]
 
 
 class SavedRows:
-    """One cut's arrays for the rows it saves; built before the pause, ``take`` in it."""
+    """One cut's arrays for the rows it saves; built before the pause, ``list_rows`` in it."""
 
     def __init__(self, sup: Supervisor, *, copy_buffer: bool) -> None:
         table = sup.table() if copy_buffer else None
@@ -111,27 +113,32 @@ class SavedRows:
         return prepared
 
 
+@dataclass(frozen=True)
 class Listed:
-    """The rows a cut saves, listed in its pause: the buffer's slot ids, the other sources' rows, the arrays."""
+    """The rows a cut saves, listed in its pause: the arrays sized for them (empty: no row to save), the buffer's
+    full slots, the other sources' rows."""
 
-    def __init__(self, layout_json: str, views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[Any]):
-        self._layout_json, self._views, self._buffer, self._ids, self._pieces = layout_json, views, buffer, ids, pieces
+    layout_json: str
+    views: list[Rows]
+    buffer: SlotBuffer | None
+    ids: Any  # the buffer's full slots at the cut
+    pieces: list[list[Any]]  # per source (a writer's rows not put back, a ring batch), per field: rows as they are
 
     def copy(self) -> dict[str, Any]:
         """Copy the listed rows into their arrays: each row once, straight into its place. The buffer's rows may be
         copied after the readers went on (they leave a slot's bytes as they are) but not once a writer may write
         again: the cut holds the node's writers until every rank copied (NOTE [ Checkpoint cut ])."""
-        if not self._views:
+        if not self.views:
             return {}
-        if failpoints.ACTIVE and self._buffer is not None:
+        if failpoints.ACTIVE and self.buffer is not None:
             failpoints.reached("cut.before_buffer_copy")
-        copy_rows(self._views, self._buffer, self._ids, self._pieces)
-        return {"layout": self._layout_json, "fields": [torch.from_numpy(v) for v in self._views]}
+        copy_rows(self.views, self.buffer, self.ids, self.pieces)
+        return {"layout": self.layout_json, "fields": [torch.from_numpy(v) for v in self.views]}
 
 
 def copy_rows(views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[list[Any]]) -> None:
     """Fill ``views`` (one ``uint8 [n, row_bytes]`` array per field) with the buffer's rows ``ids``, then each piece's
-    rows in order: each row copied once, straight into its place (this copy is most of a cut's pause)."""
+    rows in order: each row copied once, straight into its place (most of a cut's work: it runs after the pause)."""
     if buffer is not None and len(ids):
         buffer.gather(ids, [v[: len(ids)] for v in views], ids_in_range=True)
     at = len(ids)
