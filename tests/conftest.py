@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,13 @@ import leaks  # noqa: E402
 from redis_servers import ManagedRedis, RedisCluster, find_server_binary, start_redis  # noqa: E402
 
 RUNTIME_DIR_ENV = "GIGASHUFFLE_RUNTIME_DIR"
+
+# The Ctrl-C tests send SIGINT and expect what a terminal's Ctrl-C does. A shell without job control starts a
+# background command (`pytest ... &` in a script, `nohup`) with SIGINT ignored, which Python and every process it
+# starts inherit: the suite would then test an ignored signal instead (ten tests failed so). Each test process
+# (xdist worker included) restores Python's handler; the processes the tests start get SIGINT's default from it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_report_header() -> str:
