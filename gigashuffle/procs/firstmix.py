@@ -54,7 +54,8 @@ class FirstMix:
         self.config = config
         self.share = share(config)
         self.written = 0
-        self.lifted = node_writers(config) <= 1 or self._read_started()
+        # first_mix_wait_s=0: no cap at all (it would lift at the first wait, with a warning about late writers).
+        self.lifted = node_writers(config) <= 1 or config.first_mix_wait_s == 0 or self._read_started()
         self.reported = False  # MixShare sent to the trainer
         self._capped_since: float | None = None
 

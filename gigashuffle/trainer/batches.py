@@ -51,7 +51,9 @@ class Batches:
         # Filling progress is shown while this rank waits for its first batch, then never again.
         self._progress: progress.FillProgress | None = None
         self._first_batch_seen = False
-        self._late_writers_due = time.monotonic() + config.first_mix_wait_s  # NOTE [ First mix ] in procs/firstmix.py
+        # NOTE [ First mix ] in procs/firstmix.py; with first_mix_wait_s=0 no writer waits, so none is late.
+        wait = config.first_mix_wait_s
+        self._late_writers_due = time.monotonic() + wait if wait else float("inf")
 
     def check_open(self) -> None:
         if self._sup.closed:

@@ -111,3 +111,5 @@ def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_lea
     assert [s["rows"] for s in states] == [{}, {}]
     warned = [r.getMessage() for r in caplog.records if "saves only the datasets' positions" in r.getMessage()]
     assert len(warned) == 1 and "evict_on_read=False" in warned[0], warned
+    late = [r.getMessage() for r in caplog.records if "first mix" in r.getMessage()]
+    assert not late, f"first_mix_wait_s=0: no writer waits, so none is late: {late}"
