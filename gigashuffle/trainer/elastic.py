@@ -106,4 +106,4 @@ def _joined(pieces: list[rereads.Rows]) -> rereads.Rows:
         raise CheckpointError("load_state_dict: the old ranks' saved rows have different layouts; the checkpoint "
                               "mixes parts of different jobs")  # fmt: skip
     columns = zip(*(rows["fields"] for rows in pieces), strict=True)
-    return {"layout": layouts.pop(), "fields": [torch.cat(list(column)).contiguous() for column in columns]}
+    return {"layout": layouts.pop(), "fields": [torch.cat(list(column)) for column in columns]}

@@ -94,8 +94,8 @@ class Supervisor:
         self._on_ring = placement.adopt  # a reader's ring arrived: rings are registered with CUDA then, not per batch
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
-        self._last_cut_s = 0.0  # how long the last cut paused this rank's writers and readers (for the bench)
-        self.cut_parts: dict[str, float] = {}  # seconds per phase of the last cut's pause (for the bench)
+        self._last_cut_s = 0.0  # how long the last cut kept this rank's readers from delivering (for the bench)
+        self.cut_parts: dict[str, float] = {}  # seconds per phase of the last cut, and the writers' hold (bench)
         self._pumping = threading.RLock()  # see pump()
         self._cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
