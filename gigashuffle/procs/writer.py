@@ -328,6 +328,16 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
         chunks.before_idle = before_idle
         chunks.before_restart = pending.publish
 
+        def serve_trainer(done: int, saved: bool) -> None:
+            """Answer the trainer's messages from inside a chunk (or saved rows): a pause answered here must count
+            exactly the rows ``:done`` as in the buffer (NOTE [ Respawned writers ]), in every branch that waits;
+            the chunk-start count would have a resume write them again."""
+            if saved:
+                position.restored = done
+            else:
+                position.done = done
+            _handle_control(env, chunks)
+
         def write(as_bytes: list[torch.Tensor], rows: int, done: int, saved: bool = False) -> None:
             """Copy rows ``done:`` into slots, serving the trainer while no slot is empty; ``saved``: they are a
             checkpoint's saved rows (position.restored counts them), else the chunk's (position.done)."""
@@ -337,7 +347,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
                 if not allowed:  # its share of the first mix is in: wait for the node's first read
                     pending.publish()
                     reserved.give_back()
-                    _handle_control(env, chunks)
+                    serve_trainer(done, saved)
                     if position.serial != serial:
                         return  # a state was loaded: the rest of these rows is not part of the stream
                     chores.tick()
@@ -348,11 +358,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
                     reserved.add(table.acquire_empty(me, allowed))
                     if not reserved.held():  # the buffer is full: this writer is blocked on the readers
                         blocked_since = time.monotonic()
-                        if saved:
-                            position.restored = done
-                        else:
-                            position.done = done
-                        _handle_control(env, chunks)
+                        serve_trainer(done, saved)
                         if position.serial != serial:
                             return  # a state was loaded: the rest of these rows is not part of the stream
                         chores.tick()

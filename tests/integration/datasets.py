@@ -299,6 +299,34 @@ class Counter(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": counter + wid * ID_STRIDE, "counter": counter}]
 
 
+class PassIds(IterableDataset):  # type: ignore[type-arg]
+    """``ids`` rows per writer per pass: ``id = worker * ID_STRIDE + i`` and ``pass``; the state is
+    ``{"pass", "pos", "late_s"}``. A writer whose loaded state has ``late_s`` > 0 sleeps that long before its next
+    chunk, once (its later states say 0): a source slow to start again after a resume, in one writer only."""
+
+    def __init__(self, ids: int, chunk: int) -> None:
+        self.ids, self.chunk = ids, chunk
+        self.passes, self.pos, self.late_s = 0, 0, 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass": self.passes, "pos": self.pos, "late_s": self.late_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.passes, self.pos = int(state["pass"]), int(state["pos"])
+        self.late_s = float(state.get("late_s", 0.0))
+
+    def __iter__(self) -> Iterator[Chunk]:
+        worker = _worker()[0]
+        while self.pos < self.ids:
+            if self.late_s:
+                time.sleep(self.late_s)
+                self.late_s = 0.0
+            start, self.pos = self.pos, min(self.pos + self.chunk, self.ids)
+            ids = torch.arange(start, self.pos, dtype=torch.int64) + worker * ID_STRIDE
+            yield [{"id": ids, "pass": torch.full_like(ids, self.passes)}]
+        self.passes, self.pos = self.passes + 1, 0
+
+
 # -- every dtype -----------------------------------------------------------------------------------------------
 
 DTYPES: tuple[torch.dtype, ...] = (
