@@ -7,13 +7,16 @@ dataset's fields, and ``steps_per_epoch`` or ``max_steps`` for the length). At e
 gathered (NOTE [ Rank-keyed state ] in integrations/state.py) and the main process writes it to
 ``checkpoint-N/gigashuffle_loader.pt``; ``train(resume_from_checkpoint=...)`` restores each rank's part before
 training. The Trainer's own data skipping would replay batches on resume, so ``ignore_data_skip=True`` is required.
-Every ``logging_steps`` the loader's figures join the Trainer's logs as ``gigashuffle/...``.
+Every ``logging_steps`` the loader's figures join the Trainer's logs as ``gigashuffle/...``: added in ``log()``,
+before the Trainer appends the logs to ``state.log_history`` and hands them to its callbacks, so the printed log,
+``trainer_state.json`` and every ``report_to`` logger have them (NOTE [ Trainer logs ]).
 Install with ``pip install gigashuffle[transformers]``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -27,11 +30,26 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "gigashuffle_loader.pt"
 
+# NOTE [ Trainer logs ]
+# ``Trainer.log(logs)`` appends a copy of ``logs`` to ``state.log_history`` and then calls every callback's
+# ``on_log`` in registration order: the printer or progress callback and the ``report_to`` integrations are
+# registered in ``Trainer.__init__``, before anything a subclass adds, and ``log_history`` is written before any
+# callback runs. A callback that adds the loader's figures reaches neither (issue 35). So the figures are added in
+# the ``log()`` override, before the Trainer's own ``log()`` does anything with ``logs``.
+# Evaluation logs (``eval_*``, ``test_*``) are of another data set: they get no figures of the train loader.
+_EVALUATION_PREFIXES = ("eval_", "test_", "predict_")
+
 
 class GigashuffleTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any where transformers is absent
     def __init__(self, *args: Any, loader: MultiprocessShuffledDataloader, **kwargs: Any) -> None:
         if not isinstance(loader, MultiprocessShuffledDataloader):
             raise TypeError(f"GigashuffleTrainer(loader=...) needs a MultiprocessShuffledDataloader, got {loader!r}")
+        if loader.config.batch_format != "dict":
+            raise ValueError(
+                f"DataloaderConfig.batch_format={loader.config.batch_format!r} is invalid for GigashuffleTrainer: the "
+                "Trainer calls model(**batch), which needs a batch that is a dict, and a 'list' batch is a list of "
+                'dicts; build the loader with DataloaderConfig.from_env(..., batch_format="dict", index_key=False)'
+            )
         super().__init__(*args, **kwargs)
         if not self.args.ignore_data_skip:
             raise ValueError(
@@ -45,6 +63,12 @@ class GigashuffleTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any wh
     def get_train_dataloader(self) -> Any:
         return self.gigashuffle_loader
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log()``, with the loader's figures added first (NOTE [ Trainer logs ])."""
+        if not any(key.startswith(_EVALUATION_PREFIXES) for key in logs):
+            logs.update(loader_figures(self.gigashuffle_loader))
+        super().log(logs, *args, **kwargs)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:  # the Trainer's own rule, applied early to load the loader's state
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call,unused-ignore]
@@ -53,6 +77,24 @@ class GigashuffleTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any wh
         if isinstance(resume_from_checkpoint, str):
             load_loader_state(self.gigashuffle_loader, resume_from_checkpoint)
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
+
+
+def loader_figures(loader: MultiprocessShuffledDataloader) -> dict[str, float]:
+    """The loader's main figures as ``gigashuffle/...`` log entries, the ones the Lightning callback logs; figures
+    that are not known yet (NaN) and a closed loader give none."""
+    if loader.closed:
+        return {}
+    m = loader.metrics()
+    writers = m.writers
+    figures = {
+        "wait_share": m.wait_share,
+        "rows_per_s": m.rows_per_s,
+        "writers_in_dataset": sum(w.in_dataset for w in writers) / len(writers) if writers else math.nan,
+        "writers_blocked": sum(w.blocked for w in writers) / len(writers) if writers else math.nan,
+        "lock_busy_share": m.lock_busy_share,
+        "fill_mean": m.fill_mean,
+    }
+    return {f"gigashuffle/{k}": float(v) for k, v in figures.items() if not math.isnan(v)}
 
 
 def load_loader_state(loader: MultiprocessShuffledDataloader, checkpoint: str) -> None:
@@ -77,12 +119,3 @@ class _LoaderState(TrainerCallback):  # type: ignore[misc,unused-ignore]
             folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
             torch.save(merged, os.path.join(folder, STATE_FILE))
-
-    def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: Any = None, **_: Any
-    ) -> None:
-        if not isinstance(logs, dict):
-            return
-        m = self.loader.metrics()
-        logs.update({"gigashuffle/wait_share": m.wait_share, "gigashuffle/rows_per_s": m.rows_per_s,
-                     "gigashuffle/lock_busy_share": m.lock_busy_share})  # fmt: skip
