@@ -6,11 +6,12 @@ misconfigured job fails at construction instead of hanging in a child process la
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,50 @@ def redis_url_in_use(explicit: str | None, where: str = "redis_url") -> str | No
         unset = ", or unset it to use the embedded server" if where == REDIS_URL_ENV else ""
         raise ValueError(f"{where} {url!r} is invalid: {_URL_FIX}{unset}")
     return url
+
+
+# Keywords of torch's DataLoader (and the habits it leaves) that are not fields here, with what to write instead;
+# ``{value}`` is the value given. pin_memory is a field of both, with the same meaning.
+_DATALOADER_NAMES: dict[str, str] = {
+    "batch_size": "use bs={value} (the output batch size per rank)",
+    "num_workers": "a rank has two kinds of processes here: use num_writers={value} (processes that run the "
+    "dataset) and/or num_readers={value} (processes that gather batches from the buffer)",
+    "shuffle": "every batch is drawn at random from the node's buffer, so leave it out and size the buffer with "
+    "shuffle_size",
+    "drop_last": "every batch has bs rows, so leave it out",
+    "prefetch_factor": "use ring_depth={value} (batches in flight per reader; None picks it)",
+    "persistent_workers": "the loader's processes live until loader.close(), so leave it out",
+    "generator": "use seed=N (writer i is seeded with seed + i)",
+    "collate_fn": "a batch is the chunks' fields stacked (batch_format='dict' for model(**batch)), so leave it "
+    "out and shape the rows in the dataset",
+    "sampler": "rows are drawn at random from the node's buffer, so leave it out",
+    "batch_sampler": "rows are drawn at random from the node's buffer, so leave it out and set bs",
+    "worker_init_fn": "each writer runs a copy of the dataset, so leave it out and set a writer up in the "
+    "dataset's __iter__ (get_worker_info() says which writer it is)",
+    "multiprocessing_context": "the loader forks its processes from a zygote of its own, so leave it out",
+}
+
+
+def _unknown_fields(given: dict[str, Any]) -> TypeError | None:
+    """A TypeError naming each keyword that is not a field, its value and what to write instead (a torch
+    DataLoader keyword, a misspelt field); None when every keyword is a field."""
+    names = [f.name for f in fields(DataloaderConfig)]
+    unknown = [key for key in given if key not in names]
+    if not unknown:
+        return None
+    fixes = []
+    for key in unknown:
+        if key in _DATALOADER_NAMES:
+            fix = f"{key} is torch DataLoader's keyword, not a field here: " + _DATALOADER_NAMES[key].format(
+                value=repr(given[key])
+            )
+        elif close := difflib.get_close_matches(key, names, n=1):
+            fix = f"{key} is not a field: did you mean {close[0]}={given[key]!r}?"
+        else:
+            fix = f"{key} is not a field: the fields are {', '.join(names)}"
+        fixes.append(fix)
+    shown = ", ".join(f"{key}={given[key]!r}" for key in unknown)
+    return TypeError(f"DataloaderConfig({shown}) is invalid: {'; '.join(fixes)}")
 
 
 def _fail(field: str, value: object, fix: str) -> ValueError:
@@ -132,6 +177,14 @@ class DataloaderConfig:
     steps_per_epoch: int | None = None
     checkpoint_rows: str = "saved"
     first_mix_wait_s: float = 10.0
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # Before the dataclass's __init__, whose own error for a keyword it does not know is a bare "unexpected
+        # keyword argument": say what to write instead (bs for batch_size, ...). Pickling and copies call
+        # __new__ without keywords.
+        if (unknown := _unknown_fields(kwargs)) is not None:
+            raise unknown
+        return super().__new__(cls)
 
     @classmethod
     def from_env(cls, **fields: Any) -> DataloaderConfig:

@@ -269,6 +269,12 @@ class MultiprocessShuffledDataloader:
             self._sup.pump()
 
     @property
+    def batch_size(self) -> int:
+        """Rows per batch of this rank: ``DataloaderConfig.bs``, under the name torch's DataLoader and the training
+        frameworks read (read-only: the batch size is fixed when the loader is built)."""
+        return self.config.bs
+
+    @property
     def seed(self) -> int:
         """The job's base seed: writer ``get_worker_info().id == i`` starts from ``seed + i`` (NOTE [ Seeds ])."""
         return self._sup.seed

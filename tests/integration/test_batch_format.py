@@ -43,6 +43,15 @@ def test_dict_batches_keep_the_index_by_default(redis_url: str) -> None:
         assert set(batch) == {"id", "x", "y", INDEX_KEY}
 
 
+def test_batch_size_is_bs_under_torchs_name_and_read_only(redis_url: str) -> None:
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, batch_format="dict", bs=8)) as loader:
+        assert loader.batch_size == 8
+        assert len(next(iter(loader))["id"]) == loader.batch_size
+        with pytest.raises(AttributeError):
+            loader.batch_size = 4  # type: ignore[misc]
+        assert loader.batch_size == loader.config.bs == 8
+
+
 def test_dict_batches_refuse_chunks_of_two_groups(redis_url: str) -> None:
     loader = MultiprocessShuffledDataloader(AllDtypes(groups=2), _config(redis_url, batch_format="dict"))
     with loader, pytest.raises(ValueError, match=r"batch_format='dict'.*2 groups.*batch_format='list'"):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import pickle
 import re
 from typing import Any
 
@@ -227,6 +229,41 @@ def test_config_is_frozen_and_keyword_only() -> None:
         cfg.bs = 8  # type: ignore[misc]
     with pytest.raises(TypeError):
         DataloaderConfig(4, 64, "q")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("given", "fixes"),
+    [
+        ({"batch_size": 32}, ["DataloaderConfig(batch_size=32) is invalid", "use bs=32"]),
+        ({"num_workers": 4}, ["DataloaderConfig(num_workers=4) is invalid", "num_writers=4", "num_readers=4"]),
+        ({"shuffle": True}, ["DataloaderConfig(shuffle=True) is invalid", "shuffle_size"]),
+        ({"prefetch_factor": 4}, ["DataloaderConfig(prefetch_factor=4) is invalid", "ring_depth=4"]),
+        ({"drop_last": True}, ["DataloaderConfig(drop_last=True) is invalid", "every batch has bs rows"]),
+        ({"shufle_size": 128}, ["DataloaderConfig(shufle_size=128) is invalid", "did you mean shuffle_size=128?"]),
+        ({"zzz": 1}, ["DataloaderConfig(zzz=1) is invalid", "the fields are bs, shuffle_size, queue_name"]),
+        (
+            {"batch_size": 32, "num_workers": 4},
+            ["DataloaderConfig(batch_size=32, num_workers=4) is invalid", "use bs=32", "num_writers=4"],
+        ),
+    ],
+)
+def test_a_torch_dataloader_keyword_names_the_field_to_use(given: dict[str, Any], fixes: list[str]) -> None:
+    base = {k: v for k, v in BASE.items() if k != "bs"}  # batch_size instead of bs: the error is about batch_size
+    with pytest.raises(TypeError) as refused:
+        DataloaderConfig(**base, **given)
+    for fix in fixes:
+        assert fix in str(refused.value), str(refused.value)
+    with pytest.raises(TypeError) as from_env:
+        DataloaderConfig.from_env(**base, **given)
+    assert str(from_env.value) == str(refused.value)
+
+
+def test_pin_memory_is_a_field_as_in_torch_and_copies_still_work() -> None:
+    cfg = make(pin_memory=True)
+    assert cfg.pin_memory is True
+    assert dataclasses.replace(cfg, bs=8).bs == 8
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert copy.deepcopy(cfg) == cfg
 
 
 @pytest.mark.parametrize(
