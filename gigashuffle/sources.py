@@ -24,7 +24,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gigashuffle.errors import CheckpointError
-from gigashuffle.shards import NpyReader, ParquetReader, PtReader, Sharded
+from gigashuffle.parquetshards import ParquetReader
+from gigashuffle.shards import NpyReader, PtReader, Sharded
 from gigashuffle.sourcechecks import has_state, node_split_of, shuffle_buffer_of, stages_named, why_stateless
 from gigashuffle.stacking import Chunk, default_fields, stack
 from gigashuffle.tarshards import TarReader
