@@ -256,7 +256,8 @@ def stats(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     interrupted = _end_on_sigint() if watching else threading.Event()
     try:
         servers.refresh()
-        if not servers.urls and not watching:
+        # A Prometheus scraper asks whether or not a loader runs: no server is an exposition without samples.
+        if not servers.urls and not watching and not args.prometheus:
             raise CliError(
                 f"{_no_embedded_server()}; pass --redis URL for another server, or set GIGASHUFFLE_REDIS_URL"
             )

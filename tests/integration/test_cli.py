@@ -386,6 +386,16 @@ def test_no_embedded_server_is_one_line(runtime_dir: Path) -> None:
     assert "--redis URL" in line
 
 
+def test_prometheus_without_a_server_is_an_empty_exposition(runtime_dir: Path) -> None:
+    # A scraper (node_exporter's textfile collector, a cron job) runs this whether or not a loader runs.
+    done = cli("stats", "--prometheus", env={"GIGASHUFFLE_RUNTIME_DIR": str(runtime_dir)})
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    _check_prometheus_text(done.stdout)
+    lines = done.stdout.splitlines()
+    assert "# TYPE gigashuffle_buffer_slots gauge" in lines, done.stdout
+    assert all(line.startswith("#") for line in lines), done.stdout  # no samples: no queue, no node
+
+
 def test_watch_follows_a_server_that_stops_and_ends_on_ctrl_c(
     runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
