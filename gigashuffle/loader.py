@@ -179,6 +179,17 @@ class MultiprocessShuffledDataloader:
         with critical(blocking=True):  # the node lock is held only inside: NOTE [ Ctrl-C ]
             return int(table.evict(ids, self._batches.versions[ids], wait_s=_LOCK_PATIENCE_S))
 
+    def release_after(self, stream: torch.cuda.Stream) -> None:
+        """With ``pin_memory=True`` alone: say that you copy batches to the GPU on ``stream`` too (a prefetcher's
+        side stream), for the rest of the loader's life. A batch's ring slot is overwritten by its reader once you
+        dropped the batch and the work queued before the drop on the current stream of every GPU, and from now on
+        on ``stream``, is done; without this, a copy on a side stream must be ordered onto the current stream before
+        you drop the batch (``torch.cuda.current_stream().wait_stream(side)``) or the slot may be refilled under
+        the DMA (NOTE [ GPU placement ] in trainer/pinning.py). Nothing to do with ``device=`` (batches are on the
+        GPU already) or without pinning (a copy out of pageable memory is staged before it returns)."""
+        self._check_open()
+        self._placement.release_after(stream)
+
     def attach_training_context(self, context: Any) -> None:
         """Hand ``context`` to every writer; the dataset sees it as ``self.context`` from its next chunk."""
         self._check_open()

@@ -10,7 +10,11 @@ can get wrong (NOTE [ GPU placement ] in gigashuffle/trainer/pinning.py):
 * the current device and stream per thread; a context per device, made by the first call that touches it: calls
   that act on "the current device" (register, unregister, clearing the error) touch the thread's current device;
 * ``cudaHostRegister``/``Unregister`` over ranges, with the per-thread last error they leave set on failure, which
-  the user's next kernel launch (``launch_kernel``) raises unless it was cleared.
+  the user's next kernel launch (``launch_kernel``) raises unless it was cleared;
+* failures: the next ``fail_copies`` copies raise ``copy_error`` (a CUDA OOM) before anything is queued, and a
+  stream marked ``stuck`` (a collective waiting for a dead rank) never passes its queued work: a device or event
+  synchronize over it would hang, so they fail the test instead, and ``wait`` with a timeout returns False;
+* pinned host blocks of torch's caching allocator (``pinned_clone``), which are pinned memory as registered rings are.
 Tensors "on the device" are CPU tensors made by ``copy``; ``on_device`` tells them apart.
 """
 
@@ -35,6 +39,8 @@ class FakeStream:
         self.ops: deque[tuple[tuple[int, int] | None, Callable[[], None]]] = deque()  # (source range, run)
         self.enqueued = 0
         self.done = 0
+        self.stuck = False  # behind work that never ends (NCCL waiting for a dead rank): nothing queued runs
+        self.priority = 0
 
     def enqueue(self, run: Callable[[], None], source: tuple[int, int] | None = None) -> int:
         self.ops.append((source, run))
@@ -42,6 +48,8 @@ class FakeStream:
         return self.enqueued
 
     def advance_to(self, position: int) -> None:
+        if self.stuck and self.done < position:
+            raise AssertionError(f"waiting for {self!r}, which is stuck, would hang")
         while self.done < position:
             _source, run = self.ops.popleft()
             self.done += 1
@@ -80,8 +88,14 @@ class FakeCuda(CudaOps):
         self.last_error: dict[int, int] = {}  # thread id -> the runtime's last error, as CUDA keeps it per thread
         self.copies = 0
         self.host_syncs = 0  # synchronize, event.synchronize and pageable copies
+        self.device_syncs = 0  # synchronize() of a whole device
         self.unregistered_in_flight = 0  # unregisters while a copy out of the range was queued
         self.consumers: list[tuple[int, FakeStream]] = []  # record_stream calls: (data_ptr, stream)
+        self.fail_copies = 0  # how many of the next copies raise copy_error
+        self.copy_error: Callable[[], BaseException] = lambda: RuntimeError("CUDA out of memory. Tried to allocate")
+        self.copy_streams: dict[int, FakeStream] = {}  # copy_stream(): one per device, made once
+        self.pinned_blocks: list[torch.Tensor] = []  # pinned_clone(): torch's host allocator keeps them
+        self.timed_out_waits = 0
         self._device_ptrs: set[int] = set()
         self._local = threading.local()
 
@@ -146,9 +160,22 @@ class FakeCuda(CudaOps):
         self.streams.append(stream)
         return stream
 
+    def current_device_index(self) -> int:
+        return self.current_device
+
+    def copy_stream(self, index: int) -> Any:
+        if index not in self.copy_streams:
+            stream = self.new_stream(index)
+            stream.name, stream.priority = f"copy{index}", -1
+            self.copy_streams[index] = stream
+        return self.copy_streams[index]
+
     def current_stream(self, index: int) -> Any:
         self._touch(index)
         return self._current_streams().get(index, self.streams[index])
+
+    def stream_device(self, stream: Any) -> int:
+        return int(stream.device)
 
     def new_event(self) -> Event:
         return FakeEvent(self._host_sync)
@@ -169,6 +196,9 @@ class FakeCuda(CudaOps):
         if stream.device != index:
             raise AssertionError(f"a copy to device {index} enqueued on {stream!r}")
         self._touch(index)
+        if self.fail_copies:
+            self.fail_copies -= 1
+            raise self.copy_error()
         self.copies += 1
         dst = torch.full_like(src, 0x5A) if src.dtype == torch.uint8 else torch.zeros_like(src)
         self._device_ptrs.add(dst.untyped_storage().data_ptr())
@@ -195,8 +225,29 @@ class FakeCuda(CudaOps):
     def synchronize(self, index: int) -> None:
         self._touch(index)
         self.host_syncs += 1
+        self.device_syncs += 1
         for stream in self.streams_of(index):
             stream.advance()
+
+    def wait(self, event: Event, timeout_s: float) -> bool:
+        """The GPU runs what the event waits for, unless that is behind a stuck stream: then the wait times out."""
+        if not isinstance(event, FakeEvent) and hasattr(event, "events"):  # AllOf
+            return all(self.wait(e, timeout_s) for e in event.events)
+        assert isinstance(event, FakeEvent)
+        if event.stream is not None and event.stream.stuck and not event.query():
+            self.timed_out_waits += 1
+            return False
+        event.synchronize()
+        return True
+
+    def pinned_clone(self, src: torch.Tensor) -> torch.Tensor:
+        self._touch(self.current_device)
+        block = src.clone()
+        self.pinned_blocks.append(block)  # kept, as torch's host allocator keeps a block until its copies ran
+        return block
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return self._registered_range(tensor.data_ptr(), tensor.nbytes) is not None
 
     def streams_of(self, index: int) -> list[FakeStream]:
         return [s for s in self.streams if s.device == index]
@@ -212,8 +263,13 @@ class FakeCuda(CudaOps):
 
     # -- registration and errors ----------------------------------------------------------------------------------
     def _registered_range(self, start: int, nbytes: int) -> int | None:
+        """The start of the registered range or pinned block that holds ``[start, start + nbytes)``, or None."""
         for ptr, size in self.registered.items():
             if ptr <= start and start + nbytes <= ptr + size:
+                return ptr
+        for block in self.pinned_blocks:
+            ptr = block.data_ptr()
+            if ptr <= start and start + nbytes <= ptr + block.nbytes:
                 return ptr
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -39,6 +40,11 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+_CUDA_STREAM_NON_BLOCKING = 1  # no implicit ordering with the legacy default stream (torch's own streams have it)
+# The loader's copy stream of each device, made once per process (NOTE [ The copy stream ]).
+_COPY_STREAMS: dict[int, Any] = {}
+
+
 class CudaOps:
     """The CUDA runtime as torch exposes it. ``Stream`` objects are ``torch.cuda.Stream``s, opaque to callers."""
 
@@ -56,11 +62,27 @@ class CudaOps:
         """Whether this process has a context on ``index`` (asking creates none)."""
         return bool(torch._C._cuda_hasPrimaryContext(index))  # type: ignore[attr-defined]
 
+    def current_device_index(self) -> int:
+        """The thread's current device (``torch.cuda.set_device``); asking makes no context."""
+        return torch.cuda.current_device()
+
     def new_stream(self, index: int) -> Any:
+        """A stream of torch's pool on ``index`` (the tests' side streams; the loader copies on ``copy_stream``)."""
         return torch.cuda.Stream(index)  # type: ignore[no-untyped-call]
+
+    def copy_stream(self, index: int) -> Any:
+        """The loader's own copy stream of device ``index`` (NOTE [ The copy stream ]); call under its guard."""
+        stream = _COPY_STREAMS.get(index)
+        if stream is None:
+            stream = _COPY_STREAMS[index] = _dedicated_stream(index)
+        return stream
 
     def current_stream(self, index: int) -> Any:
         return torch.cuda.current_stream(index)
+
+    def stream_device(self, stream: Any) -> int:
+        """The device index of a stream (a caller's, e.g. given to ``loader.release_after``)."""
+        return int(stream.device_index)
 
     def new_event(self) -> Event:
         # blocking: a wait for a copy sleeps in the driver instead of spinning a core.
@@ -83,6 +105,25 @@ class CudaOps:
     def synchronize(self, index: int) -> None:
         torch.cuda.synchronize(index)
 
+    def wait(self, event: Event, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``event``; whether it completed. Polls rather than ``event.synchronize()``,
+        which has no timeout: an event behind a collective waiting for a dead rank never completes."""
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-4
+        while not event.query():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.01)
+        return True
+
+    def pinned_clone(self, src: torch.Tensor) -> torch.Tensor:
+        """A copy of ``src`` (host memory) in page-locked memory of torch's caching host allocator, which reuses a
+        block only once the copies that read it are done; call under the device guard (the allocation may make
+        a context on the current device)."""
+        return torch.empty_like(src, pin_memory=True).copy_(src)
+
     def host_register(self, ptr: int, nbytes: int) -> int:
         return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))  # type: ignore[no-untyped-call]
 
@@ -91,8 +132,9 @@ class CudaOps:
 
     def clear_error(self, index: int) -> None:
         """Reset this thread's last CUDA error, which a failed runtime call leaves set for the next kernel launch
-        of the user's (torch checks ``cudaGetLastError`` after each launch) to raise as its own."""
-        lib = _libcudart()
+        of the user's (torch checks ``cudaGetLastError`` after each launch) to raise as its own. It must be the
+        runtime torch calls (``_torch_cudart``): another copy in the process (CuPy's, JAX's) keeps its own state."""
+        lib = _torch_cudart()
         if lib is not None:
             lib.cudaGetLastError()
             return
@@ -109,16 +151,44 @@ class CudaOps:
             return name
 
 
-def _libcudart() -> Any:
-    """The CUDA runtime library this process already loaded (the instance torch calls), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+# NOTE [ The copy stream ]
+# ``torch.cuda.Stream(...)`` does not make a stream: it hands out one of a pool of 32 per device and priority, round
+# robin, shared with every other ``torch.cuda.Stream()`` of the process (the user's side streams, DDP's, NCCL's).
+# Copies queued on a pool stream then wait behind whatever else landed on it, and the loader's events there cover
+# foreign work too. So the loader makes its own stream per device with the runtime torch uses
+# (``cudaStreamCreateWithPriority``): non-blocking, as torch's own (no implicit order with the legacy default
+# stream, on which the user's compute runs), at the greatest priority the device has, so that a copy queued while
+# the GPU is busy starts first. It is made once per process and device and never destroyed: blocks of torch's
+# caching allocator stay associated with it after the loader closes. Where the runtime cannot be found (a torch
+# that linked it statically), the high-priority pool stream is the fallback: still off the default-priority pool
+# that ``torch.cuda.Stream()`` draws from.
+
+
+def _dedicated_stream(index: int) -> Any:
+    lib = _torch_cudart()
+    if lib is not None:
+        try:
+            least, greatest = ctypes.c_int(0), ctypes.c_int(0)
+            if lib.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)) != 0:
+                greatest = ctypes.c_int(0)
+            handle = ctypes.c_void_p(0)
+            create = lib.cudaStreamCreateWithPriority
+            create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
+            if create(ctypes.byref(handle), _CUDA_STREAM_NON_BLOCKING, greatest) == 0 and handle.value:
+                return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))  # type: ignore[no-untyped-call]
+            lib.cudaGetLastError()  # the failed create must not surface at the user's next launch
+        except (AttributeError, OSError, RuntimeError) as exc:
+            log.debug("no dedicated copy stream on cuda:%d (%s): using torch's high-priority pool", index, exc)
+    return torch.cuda.Stream(index, priority=-1)  # type: ignore[no-untyped-call]
+
+
+def _torch_cudart() -> Any:
+    """The CUDA runtime library torch itself calls, or None (linked statically). Looked up through torch's own CUDA
+    library: ``dlsym`` on a library's handle searches it and then its dependencies, so the symbol found is the one
+    torch's calls bind to, even when CuPy or JAX loaded another ``libcudart`` earlier in the process."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    try:  # RTLD_NOLOAD: only the copy already loaded, never a fresh one with its own state
+        lib = ctypes.CDLL(os.path.join(lib_dir, "libtorch_cuda.so"), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only if already loaded
-        except OSError:
-            continue
-    return None
+    return lib if hasattr(lib, "cudaGetLastError") else None

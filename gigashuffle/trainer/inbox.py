@@ -6,7 +6,9 @@ A batch walks from a reader to the trainer and back through the reader, this inb
      announcement to ``Inbox.announced``: the slot is *ready*;
   2. the loader ``pop()``s it and ``hand_over()`` makes the batch: views of the ring (the slot is *held* until the
      caller drops the last of them), a device copy (held until the copy is done: NOTE [ GPU placement ] in
-     pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once;
+     pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
+     that raises (a CUDA OOM in the device copy, a failed wait, an interrupt) still returns the slot: at once if
+     nothing was queued that reads it, else once the copy stream has passed what was;
   3. a dropped batch's finalizer records the slot (*dropped*), ``flush`` moves it to the reader's *unsent* slots and
      sends them back in one ``FreeSlot`` (NOTE [ Batched frees ]): the reader may gather into it again.
 A fill_once pass (``open_pass``) ends when the reader's ``PassEnd`` has come and no batch of it is ready. Slots of a
@@ -147,24 +149,32 @@ class Inbox:
 
     def hand_over(self, child: ChildProcess, k: int) -> Batch:
         """Batch ``k`` of ``child``'s ring as the caller gets it: the ring's views, a device copy, or, when the
-        caller holds most of the ring, a copy (the slot goes back at once, so the reader can go on: never a stall)."""
+        caller holds most of the ring, a copy (the slot goes back at once, so the reader can go on: never a stall).
+        If this raises (a CUDA OOM in the device copy, a failed wait for a copy, an interrupt), the slot still goes
+        back: at once, or once nothing that may read it is left (NOTE [ A ring slot's walk ], step 2)."""
         ring = child.ring
         if ring is None:
             raise AssertionError("a batch arrived before its reader's ring")
         placement = self._placement
         if placement.moves:
-            # The caller gets device tensors and never holds ring memory; the slot is released after the copy.
+            # The caller gets device tensors and never holds ring memory; the slot is released after the copy,
+            # and after whatever was queued if the copy fails (``Placement.deliver`` releases on every way out).
             child.held += 1
             return placement.deliver(ring, k, self._dropped.release_later(child, k))
-        if child.held >= ring.depth - 1 and placement.pending:
-            self._await_copies(child, ring.depth - 1)
-        if child.held >= ring.depth - 1:
-            # The caller keeps many batches: hand out a copy so the reader can go on, rather than stall.
-            batch = [{key: t.clone() for key, t in group.items()} for group in ring.batch(k)]
-            self.free(child, k)
-            return batch
-        child.held += 1
-        return placement.deliver(ring, k, self._dropped.release_later(child, k))
+        handed = False  # whether the slot's return is the batch's (its views' death) rather than ours
+        try:
+            if child.held >= ring.depth - 1 and placement.pending:
+                self._await_copies(child, ring.depth - 1)
+            if child.held >= ring.depth - 1:
+                # The caller keeps many batches: hand out a copy (pinned with pinned rings) so that the reader can
+                # go on, rather than stall; the slot goes back below.
+                return placement.clone(ring.batch(k))
+            child.held += 1
+            handed = True
+            return placement.deliver(ring, k, self._dropped.release_later(child, k))
+        finally:
+            if not handed:
+                self.free(child, k)
 
     def _await_copies(self, child: ChildProcess, limit: int) -> None:
         """Pinned rings: wait for the oldest pending copies until ``child`` holds fewer than ``limit`` slots, rather

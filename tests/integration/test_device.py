@@ -4,7 +4,10 @@ loader's CUDA path run against a fake CUDA that models streams and copies in fli
 
 from __future__ import annotations
 
+import collections
+import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -103,5 +106,133 @@ def test_pin_only_hands_out_pinned_views_and_reuses_a_slot_only_after_the_users_
     seen: set[int] = set()
     for batch in on_gpu:
         ids = check_unique_batch(batch, 4, 64)
+        assert not seen.intersection(ids), "a row was delivered twice"
+        seen.update(ids)
+
+
+# -- issue 33 ----------------------------------------------------------------------------------------------------
+def _ring_whole(loader: MultiprocessShuffledDataloader, cuda: FakeCuda, seconds: float = 30.0) -> tuple[bool, str]:
+    """Whether every reader's ring comes back whole (no slot held, every slot filled and ready) once the GPU ran
+    what is queued: the way tests/integration/test_ctrl_c_lines.py reads the rings."""
+    sup = loader._sup
+    deadline = time.monotonic() + seconds
+    detail = ""
+    while time.monotonic() < deadline:
+        cuda.advance_all()
+        loader._placement.poll()
+        sup.inbox.flush()
+        sup.pump(0.05)
+        readers = sup.readers()
+        ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
+        depths = {id(c): c.ring.depth for c in readers if c.ring is not None}
+        held = [c.held for c in readers]
+        detail = f"ready {sorted(ready.values())}, depths {sorted(depths.values())}, held {held}"
+        if readers and len(depths) == len(readers) and not any(held) and all(ready[k] == d for k, d in depths.items()):
+            return True, detail
+    return False, detail
+
+
+def _ready_within(loader: MultiprocessShuffledDataloader, cuda: FakeCuda, seconds: float = 20.0) -> bool:
+    sup = loader._sup
+    deadline = time.monotonic() + seconds
+    while not sup.inbox.ready and time.monotonic() < deadline:
+        cuda.advance_all()
+        loader._placement.poll()
+        sup.inbox.flush()
+        sup.pump(0.05)
+    return bool(sup.inbox.ready)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), KeyboardInterrupt],
+    ids=["CUDA OOM", "KeyboardInterrupt"],
+)
+def test_device_mode_a_catch_and_retry_loop_keeps_getting_batches_after_failed_copies(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, error: Callable[[], BaseException]
+) -> None:
+    cuda = _fake_cuda(monkeypatch)
+    failures = 7  # more than ring_depth=2 times: each failure used to lose a ring slot for good
+    kind = type(error())
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, device="cuda")) as loader:
+        it = iter(loader)
+        kept = take(it, 1)
+        cuda.copy_error = error
+        cuda.fail_copies = failures
+        caught = 0
+        for n in range(failures):
+            # next() would wait for ever once the ring's slots are lost: fail instead (the GPU runs meanwhile).
+            assert _ready_within(loader, cuda), f"no batch ready after {n} failed copies: a ring slot was lost"
+            try:
+                next(it)
+            except kind:
+                caught += 1
+                it = iter(loader)  # the generator ends with the exception: the retry asks for a new one
+            cuda.current_stream(0).advance()
+        assert caught == failures
+        whole, detail = _ring_whole(loader, cuda)
+        assert whole, f"the ring is not whole after {failures} failed copies: {detail}"
+        for _ in range(N):
+            kept.append(take(it, 1)[0])
+            cuda.current_stream(0).advance()
+        assert cuda.copies == N + 1
+        whole, detail = _ring_whole(loader, cuda)
+        assert whole, detail
+    cuda.advance_all()
+    seen: set[int] = set()
+    for batch in kept:
+        ids = check_unique_batch(batch, 4, 64)
+        assert not seen.intersection(ids), "a row was delivered twice"
+        seen.update(ids)
+
+
+def test_pin_only_batches_stay_pinned_when_the_caller_holds_the_last_one_while_asking_for_the_next(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``for batch in loader:`` holds the previous batch while it asks for the next: with ring_depth=2 that is
+    the ring's last free slot, so the loader hands out a copy; the copy must be pinned too (README, GPUs)."""
+    cuda = _fake_cuda(monkeypatch)
+    on_gpu: list[Batch] = []
+    pinned = 0
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, pin_memory=True)) as loader:
+        it = iter(loader)
+        batch = next(it)
+        for _ in range(N):
+            pinned += all(cuda.is_pinned(t) for t in batch[0].values())
+            on_gpu.append([{key: cuda.copy(t, 0, cuda.current_stream(0)) for key, t in batch[0].items()}])
+            batch = next(it)  # the previous batch is still held while the next is made
+        del batch
+        assert pinned == N, f"{N - pinned} of {N} batches were pageable copies"
+    cuda.advance_all()
+    seen: set[int] = set()
+    for gpu_batch in on_gpu:
+        ids = check_unique_batch(gpu_batch, 4, 64)
+        assert not seen.intersection(ids), "a row was delivered twice"
+        seen.update(ids)
+
+
+def test_pin_only_side_stream_prefetcher_with_release_after_never_reads_a_refilled_slot(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common prefetcher: copy batch N on a side stream, drop the CPU batch, ask for batch N+1, and only then
+    order the side stream onto the current one. ``loader.release_after(side)`` makes that safe."""
+    cuda = _fake_cuda(monkeypatch)
+    on_gpu: list[Batch] = []
+    with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, pin_memory=True)) as loader:
+        side = cuda.new_stream(0)
+        loader.release_after(side)
+        it = iter(loader)
+        for _ in range(N):
+            batch = next(it)
+            on_gpu.append([{key: cuda.copy(t, 0, side) for key, t in batch[0].items()}])
+            del batch
+            next_one = next(it)  # asked for before the side stream is waited on
+            cuda.wait_stream(cuda.current_stream(0), side)
+            on_gpu.append([{key: cuda.copy(t, 0, cuda.current_stream(0)) for key, t in next_one[0].items()}])
+            del next_one
+    cuda.advance_all()
+    seen: set[int] = set()
+    for gpu_batch in on_gpu:
+        ids = check_unique_batch(gpu_batch, 4, 64)
         assert not seen.intersection(ids), "a row was delivered twice"
         seen.update(ids)

@@ -4,9 +4,13 @@ devices, streams and copies in flight (tests/fakecuda.py), and the errors a mach
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import shutil
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloa
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.trainer import pinning
-from gigashuffle.trainer.cudaops import Event
+from gigashuffle.trainer.cudaops import CudaOps, Event
 from gigashuffle.trainer.pinning import CudaPlacement, Placement, placement, resolve_device
 from gigashuffle.trainer.releases import ReleaseQueue
 
@@ -398,6 +402,198 @@ def test_a_ring_is_registered_when_it_arrives_once_and_each_respawned_ring_too()
     place.close()
     assert cuda.registered == {}
     new.close()
+
+
+# -- issue 33: every exception path returns the slot; close waits on the loader's own events only ----------------
+def test_device_mode_a_copy_that_raises_returns_its_slot_every_time(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    log: list[str] = []
+    cuda.fail_copies = 5  # more than the ring's depth: a catch-and-retry loop must not run out of slots
+    for n in range(5):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            place.deliver(ring, n % 2, _reader(ring, n % 2, log))
+        # Nothing was queued that reads the slot: it goes back at the next poll, without waiting for the GPU.
+        assert place.poll() == 1 and log[-1] == f"release {n % 2}", log
+    assert place.pending == 0 and cuda.host_syncs == 0
+    _write(ring, 0, 70)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))  # the copies work again
+    cuda.advance_all()
+    _check_rows(batch, 70)
+    place.close()
+
+
+class _InterruptedAfterTheCopy(FakeCuda):
+    """A hand-over cut after its copy was queued (an interrupt, or any error in the bookkeeping after the DMA)."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: object) -> None:
+        raise KeyboardInterrupt
+
+
+def test_device_mode_a_hand_over_cut_after_the_copy_returns_the_slot_only_after_the_copy(ring: BatchRing) -> None:
+    cuda = _InterruptedAfterTheCopy()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    log: list[str] = []
+    _write(ring, 0, 80)
+    with pytest.raises(KeyboardInterrupt):
+        place.deliver(ring, 0, _reader(ring, 0, log))
+    assert cuda.copies == 1 and place.pending == 1
+    assert place.poll() == 0 and log == [], "the slot was returned while its copy was still queued"
+    cuda.copy_streams[1].advance()
+    assert place.poll() == 1 and log == ["release 0"]
+    place.close()
+    assert cuda.unregistered_in_flight == 0
+
+
+def test_device_mode_copies_on_the_loaders_own_high_priority_stream(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    place.deliver(ring, 0, lambda: None)
+    copy = cuda.copy_streams.get(1)
+    assert copy is not None and copy.priority < 0, "the copy stream is the loader's own, at high priority"
+    assert [op for op in copy.ops], "the copy was queued on it"
+    place.deliver(ring, 1, lambda: None)
+    assert len(cuda.copy_streams) == 1 and copy.enqueued == 2, "one copy stream per device, made once"
+    cuda.advance_all()
+    place.close()
+
+
+def test_device_mode_the_consumer_is_the_current_stream_at_next(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    _write(ring, 0, 90)
+    with cuda.guard(1):
+        compute = cuda.new_stream(1)  # the caller's own compute stream, current while it calls next()
+        with cuda.use_stream(compute):
+            batch = place.deliver(ring, 0, lambda: None)
+    assert [stream for _ptr, stream in cuda.consumers] == [compute], "the allocator learns the stream in use"
+    cuda.streams[1].advance()  # the device's default stream does not wait for the copy...
+    assert cuda.copy_streams[1].done == 0
+    compute.advance()  # ...the stream current at next() does: its next kernel reads the copied rows
+    _check_rows(batch, 90)
+    place.close()
+
+
+def test_device_mode_close_never_synchronizes_the_device(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _device_placement(cuda)
+    place.adopt(ring)
+    for k in range(2):
+        place.deliver(ring, k, lambda: None)
+    cuda.streams[1].stuck = True  # the compute stream waits for a collective that never completes
+    place.close()  # would fail the test (a hang on a GPU) if it synchronized the device
+    assert cuda.device_syncs == 0 and cuda.timed_out_waits == 0
+    assert cuda.registered == {} and cuda.unregistered_in_flight == 0, "it waited for its own copies"
+
+
+def test_pin_only_close_gives_up_at_its_deadline_and_keeps_the_rings_registered(
+    ring: BatchRing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    batch = place.deliver(ring, 0, lambda: None)  # still held: the caller's copy may run after close
+    cuda.copy(batch[0]["id"], 1, cuda.current_stream(1))
+    cuda.streams[1].stuck = True
+    monkeypatch.setattr(pinning, "CLOSE_WAIT_S", 0.2)
+    kept = len(pinning._STILL_REGISTERED)
+    with caplog.at_level(logging.WARNING, logger=pinning.__name__):
+        place.close()
+    assert cuda.device_syncs == 0 and cuda.timed_out_waits > 0
+    assert any("did not complete within" in r.getMessage() for r in caplog.records)
+    assert len(cuda.registered) == 1, "a ring a copy may still read stays registered (and mapped)"
+    assert len(pinning._STILL_REGISTERED) == kept + 1
+    del pinning._STILL_REGISTERED[kept:]
+    del batch
+
+
+def test_pin_only_release_after_covers_a_side_stream_copy_never_ordered_onto_the_current_stream(
+    ring: BatchRing,
+) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    log: list[str] = []
+    with cuda.guard(1):
+        side = cuda.new_stream(1)
+    place.release_after(side)
+    place.release_after(side)  # said twice: one event per drop still
+    _write(ring, 0, 100)
+    batch = place.deliver(ring, 0, _reader(ring, 0, log))
+    on_gpu = {key: cuda.copy(t, 1, side) for key, t in batch[0].items()}  # a prefetcher's copy
+    del batch  # before the current stream waits on the side stream (it may never)
+    assert place.poll() == 0 and log == [], "the slot was released under the side stream's copy"
+    side.advance()
+    assert place.poll() == 1 and log == ["release 0"]
+    _check_rows([on_gpu], 100)
+    place.close()
+
+
+def test_pin_only_a_copy_handed_out_to_a_caller_holding_the_ring_is_pinned(ring: BatchRing) -> None:
+    cuda = FakeCuda()
+    place = _pin_only(cuda)
+    place.adopt(ring)
+    _write(ring, 0, 110)
+    copy = place.clone(ring.batch(0))
+    assert all(cuda.is_pinned(t) for t in copy[0].values()), "a pageable copy: the next non_blocking copy syncs"
+    assert not any(t.data_ptr() in range(min(cuda.registered), min(cuda.registered) + ring.nbytes)
+                   for t in copy[0].values()), "a copy of its own, not a view of the ring"  # fmt: skip
+    _check_rows(copy, 110)
+    assert set(cuda.contexts) == {1}
+    place.close()
+
+
+def test_pin_only_registers_on_the_current_device_where_local_rank_names_no_gpu(ring: BatchRing) -> None:
+    cuda = FakeCuda(devices=2)
+    # local_rank 3 with 2 GPUs visible (e.g. CUDA_VISIBLE_DEVICES gave each rank two): the rank's GPU is the one it
+    # made current, not 3 % 2.
+    place = placement(_config(pin_memory=True, local_rank=3, local_world_size=4), cuda)
+    with cuda.guard(0):
+        place.adopt(ring)
+    place.close()
+    assert set(cuda.contexts) == {0}, f"contexts on {sorted(cuda.contexts)}: not the rank's current device"
+    for rank, own in ((0, 0), (1, 1)):
+        assert isinstance(p := placement(_config(pin_memory=True, local_rank=rank, local_world_size=2), cuda),
+                          CudaPlacement) and p.index == own  # fmt: skip
+    one = FakeCuda(devices=1)
+    assert isinstance(p := placement(_config(pin_memory=True, local_rank=3, local_world_size=4), one),
+                      CudaPlacement) and p.index == 0  # fmt: skip
+
+
+_RUNTIME_C = "int calls = 0; int cudaGetLastError(void) { calls++; return 0; }"
+
+
+def _cc(source: str, out: Path, *flags: str) -> None:
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(src), *flags], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="builds two stand-in CUDA runtimes with a C compiler")
+def test_clear_error_calls_the_runtime_torch_uses_not_another_one_in_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's runtime, reached only as a dependency of torch's CUDA library; a second runtime (CuPy's, JAX's) is
+    # loaded too, and sorts first among the process's libcudart mappings.
+    (tmp_path / "torch" / "lib").mkdir(parents=True)
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "a_decoy").mkdir()
+    ours, decoy = tmp_path / "runtime" / "libcudart.so.12", tmp_path / "a_decoy" / "libcudart.so.12"
+    _cc(_RUNTIME_C, ours, "-Wl,-soname,libcudart.so.12")
+    _cc(_RUNTIME_C, decoy, "-Wl,-soname,libcudart.so.11.0")
+    torch_cuda = tmp_path / "torch" / "lib" / "libtorch_cuda.so"
+    _cc("int torch_cuda_marker(void) { return 1; }", torch_cuda, "-Wl,--no-as-needed", f"-L{ours.parent}",
+        "-l:libcudart.so.12", f"-Wl,-rpath,{ours.parent}")  # fmt: skip
+    loaded = [ctypes.CDLL(str(torch_cuda)), ctypes.CDLL(str(decoy))]
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    CudaOps().clear_error(0)
+    ours_calls = ctypes.c_int.in_dll(ctypes.CDLL(str(ours)), "calls").value
+    decoy_calls = ctypes.c_int.in_dll(loaded[1], "calls").value
+    assert (ours_calls, decoy_calls) == (1, 0), "cudaGetLastError ran in a runtime torch does not use"
 
 
 def test_no_pinning_no_device_hands_out_the_rings_views() -> None:
