@@ -3,11 +3,18 @@ tests/fakecuda.py, checked on a real GPU. Skipped without CUDA. One command, whi
 
     python -m pytest tests/gpu -q -s -p no:cacheprovider
 
+On a GPU machine without network, ``tests/gpu/run_offline.sh WHEELS_DIR`` installs the package and its test
+dependencies from a folder of wheels (made elsewhere with ``pip download``) and runs this.
+
 In order: the raw register/unregister calls and the error state they leave; the race in ``device=`` mode (copies
 queued behind ``torch.cuda._sleep`` work, every row checked after a final synchronize) with a negative control
 that records the release events on an idle side stream and must see torn or repeated rows; the same with
-``pin_memory`` alone, with the share of pinned batches; one context per rank under torchrun (2 GPUs or more);
-close under load; ``device=`` against a manual ``.to()``, with the synchronizations on the hot path.
+``pin_memory`` alone, with the share of pinned batches; one context per rank under torchrun (two ranks on two GPUs,
+or both on the one GPU); close under load; ``device=`` against a manual ``.to()``, with the synchronizations on the
+hot path; then (issue 33) image-sized rows of five dtypes read on the current stream right after ``next()`` with no
+synchronize, with negative controls that drop ``wait_stream`` and ``record_stream``; a CUDA OOM in the copy more
+times than the ring is deep; ``close()`` timed while the GPU is busy; the copy stream's priority and that it is none
+of torch's pool. None of this was run when it was written (no GPU was lent): a failure may be the test's own.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 from datasets import UniqueIds, check_unique_batch
+from imagerows import ImageRows, bad_rows
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.shm.buffer import SharedMemory
@@ -134,7 +142,7 @@ def test_1_register_unregister_and_the_error_they_leave() -> None:
     print(
         f"\n[gpu 1] register twice: {cuda.error_name(code)}; unregister twice: {cuda.error_name(code2)}; "
         f"a failed register left the error set for the next launch: {left_set}; "
-        f"libcudart found for cudaGetLastError: {cudaops._libcudart() is not None}"
+        f"torch's libcudart found for cudaGetLastError: {cudaops._torch_cudart() is not None}"
     )
     del anchor
     memory.close()
@@ -225,7 +233,7 @@ def _gpu_uuids() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or shutil.which("nvidia-smi") is None, reason="needs 2 GPUs")
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="reads the contexts with nvidia-smi")
 def test_4_one_context_per_rank_under_torchrun(redis_url: str, tmp_path: Path) -> None:
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         pytest.skip("compares nvidia-smi's GPU order with LOCAL_RANK: run without CUDA_VISIBLE_DEVICES")
@@ -251,11 +259,13 @@ def test_4_one_context_per_rank_under_torchrun(redis_url: str, tmp_path: Path) -
             proc.wait(timeout=30)
     if not any(r["pid"] in contexts for r in ranks):
         pytest.skip(f"nvidia-smi lists none of the ranks' pids (a pid namespace?): {contexts}")
+    one_gpu = torch.cuda.device_count() == 1  # both ranks on the one GPU: each still makes exactly one context
     for r in ranks:
-        print(f"\n[gpu 4] rank pid {r['pid']} local_rank {r['local_rank']}: batches on {r['devices']}, "
-              f"contexts on {sorted(contexts.get(r['pid'], set()))}")  # fmt: skip
-        assert r["devices"] == [f"cuda:{r['local_rank']}"], "device='cuda' is the rank's own GPU"
-        assert contexts.get(r["pid"]) == {uuids[r["local_rank"]]}, "one context per rank, on its own GPU"
+        own = 0 if one_gpu else r["local_rank"]
+        print(f"\n[gpu 4] rank pid {r['pid']} local_rank {r['local_rank']} ({'one GPU' if one_gpu else 'a GPU each'}): "
+              f"batches on {r['devices']}, contexts on {sorted(contexts.get(r['pid'], set()))}")  # fmt: skip
+        assert r["devices"] == [f"cuda:{own}"], "device='cuda' is the rank's own GPU"
+        assert contexts.get(r["pid"]) == {uuids[own]}, "one context per rank, on its own GPU"
 
 
 # -- 5. close under load --------------------------------------------------------------------------------------------
@@ -337,3 +347,161 @@ def test_6_device_mode_against_a_manual_to(redis_url: str, monkeypatch: pytest.M
         f"{counted.waits} waits on a copy; manual .to() {manual * 1e6:.0f} us/batch, {manual_syncs} syncs flagged"
     )
     assert ours_syncs == 0, "device= synchronized on the hot path"
+
+
+# -- 7. image rows read on the current stream right after next(), no synchronize (issue 33) ------------------------
+IMAGE_BS = 32
+IMAGE_SHUFFLE = 512
+
+
+class NoWaitStream(SlowCopies):
+    """Negative control: the consumer stream does not wait for the copy (a read may run before the copy lands)."""
+
+    def wait_stream(self, waiter: Any, stream: Any) -> None:
+        pass
+
+
+class NoRecordStream(SlowCopies):
+    """Negative control: the allocator is not told that the consumer stream uses the block, so a block the caller
+    dropped is reused by the next copy while the consumer's queued read has not run."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+
+def _image_config(redis_url: str, **fields: object) -> DataloaderConfig:
+    return DataloaderConfig(
+        bs=IMAGE_BS, shuffle_size=IMAGE_SHUFFLE, queue_name=f"gpu-img-{uuid.uuid4().hex[:8]}", num_writers=1,
+        num_readers=1, ring_depth=2, redis_url=redis_url, **fields,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _image_run(redis_url: str, late: bool) -> tuple[int, int, int]:
+    """(bad rows, repeated ids, rows) over STEPS batches, each read by kernels on the current stream enqueued right
+    after next() returned: at once, or (``late``) behind ``3 * SLEEP_CYCLES`` of work, after the batch was dropped.
+    One synchronize, at the end."""
+    bad: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    with MultiprocessShuffledDataloader(ImageRows(), _image_config(redis_url, device="cuda")) as loader:
+        it = iter(loader)
+        for _ in range(STEPS):
+            batch = next(it)[0]
+            if late:
+                _gpu_sleep(3 * SLEEP_CYCLES)
+            bad.append(bad_rows(batch))
+            ids.append(batch["id"].clone())
+            del batch  # dropped while its reads are queued
+    torch.cuda.synchronize()
+    every = torch.cat(ids).cpu()
+    return int(torch.stack(bad).sum()), every.numel() - every.unique().numel(), every.numel()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["read at once", "read after the drop"])
+def test_7_image_rows_read_on_the_current_stream_right_after_next(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, late: bool
+) -> None:
+    _use(monkeypatch, SlowCopies())
+    bad, repeated, total = _image_run(redis_url, late)
+    print(f"\n[gpu 7] device=, image rows, {'late' if late else 'immediate'} reads: {bad} bad, {repeated} repeated "
+          f"of {total}")  # fmt: skip
+    assert (bad, repeated) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("ops", "late"), [(NoWaitStream, False), (NoRecordStream, True)], ids=["no wait_stream", "no record_stream"]
+)
+def test_7_negative_controls_see_the_race(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, ops: type[CudaOps], late: bool
+) -> None:
+    _use(monkeypatch, ops())
+    bad, repeated, total = _image_run(redis_url, late)
+    print(f"\n[gpu 7 control] {ops.__name__}: {bad} bad, {repeated} repeated of {total}")
+    assert bad + repeated > 0, "the control must see the race, else the positive test above proves nothing"
+
+
+# -- 8. a CUDA OOM in the copy, more times than the ring is deep (issue 33) ----------------------------------------
+class FailingCopies(CudaOps):
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def copy(self, src: torch.Tensor, index: int, stream: Any) -> torch.Tensor:
+        if self.failures:
+            self.failures -= 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return super().copy(src, index, stream)
+
+
+def test_8_oom_in_the_copy_loses_no_ring_slot(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = FailingCopies()
+    _use(monkeypatch, ops)
+    caught = 0
+    with MultiprocessShuffledDataloader(ImageRows(), _image_config(redis_url, device="cuda")) as loader:
+        it = iter(loader)
+        next(it)
+        ops.failures = 7
+        for _ in range(7):
+            try:
+                next(it)
+            except torch.cuda.OutOfMemoryError:
+                caught += 1
+                it = iter(loader)
+        start = time.monotonic()
+        bad = torch.stack([bad_rows(next(it)[0]) for _ in range(STEPS)]).sum()  # hangs (test timeout) if slots lost
+        elapsed = time.monotonic() - start
+    print(f"\n[gpu 8] {caught} OOMs caught, then {STEPS} batches in {elapsed:.2f} s, {int(bad)} bad rows")
+    assert caught == 7 and int(bad) == 0
+
+
+# -- 9. close() while the GPU is busy (issue 33) --------------------------------------------------------------------
+BUSY_CYCLES = 4_000_000_000  # about 2 s of GPU time at 2 GHz on the current stream
+
+
+def test_9_close_waits_only_for_its_own_events(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with MultiprocessShuffledDataloader(ImageRows(), _image_config(redis_url, device="cuda")) as loader:
+        it = iter(loader)
+        held = [next(it) for _ in range(4)]
+        torch.cuda.synchronize()
+        _gpu_sleep(BUSY_CYCLES)  # a step (or a collective waiting for a dead rank) on the current stream
+        start = time.perf_counter()
+        loader.close()
+        device_close = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert int(torch.stack([bad_rows(b[0]) for b in held]).sum()) == 0
+    monkeypatch.setattr(pinning, "CLOSE_WAIT_S", 0.5)
+    kept = len(pinning._STILL_REGISTERED)
+    with MultiprocessShuffledDataloader(ImageRows(), _image_config(redis_url, pin_memory=True)) as loader:
+        batch = next(iter(loader))[0]
+        _gpu_sleep(BUSY_CYCLES)
+        on_gpu = {key: t.to("cuda", non_blocking=True) for key, t in batch.items() if key != INDEX_KEY}
+        start = time.perf_counter()
+        loader.close()  # the caller holds the batch and its copy is queued behind the busy stream
+        pin_close = time.perf_counter() - start
+    left_registered = len(pinning._STILL_REGISTERED) - kept
+    torch.cuda.synchronize()
+    assert not _launch_raises()
+    bad = int(bad_rows(on_gpu))
+    print(
+        f"\n[gpu 9] close with the current stream busy ~2 s: device= {device_close:.3f} s; pin-only "
+        f"{pin_close:.3f} s (deadline 0.5 s), rings left registered {left_registered}, {bad} bad rows"
+    )
+    assert device_close < 1.0, "device= close waited for the current stream, not only its own copies"
+    assert 0.4 < pin_close < 1.5 and left_registered >= 1, "pin-only close must give up at its deadline"
+    assert bad == 0
+    del batch
+
+
+# -- 10. the copy stream (issue 33) ---------------------------------------------------------------------------------
+def test_10_the_copy_stream_is_the_loaders_own_at_the_highest_priority() -> None:
+    ops = CudaOps()
+    with ops.guard(0):
+        stream = ops.copy_stream(0)
+        assert ops.copy_stream(0) is stream, "one copy stream per device"
+        pool = {torch.cuda.Stream(0, priority=p).cuda_stream for p in (0, -1) for _ in range(64)}  # type: ignore[no-untyped-call]
+    _least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[no-untyped-call]
+    dedicated = stream.cuda_stream not in pool
+    print(
+        f"\n[gpu 10] copy stream {stream.cuda_stream:#x}: priority {stream.priority} (greatest {greatest}), "
+        f"dedicated (none of torch's pool): {dedicated}, torch's runtime found: {cudaops._torch_cudart() is not None}"
+    )
+    assert stream.priority == greatest
+    assert dedicated or cudaops._torch_cudart() is None
