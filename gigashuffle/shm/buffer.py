@@ -172,16 +172,46 @@ class SlotBuffer:
         self.memory.close()
 
 
-# The batches handed out and not yet released: id of the weak reference to each batch's owner array -> (that
-# reference, its callback). Module-level, as weakref.finalize's registry is, so that a callback still runs when
-# the ring object that made the batch is gone first (a pinned ring's release must still reach its queue).
-_RELEASES: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
+# NOTE [ Reclaimed ring slots ]
+# A ring slot goes back to its reader once every view of its batch is gone. That moment is the caller's: the last
+# view dies at whatever bytecode of the script drops it, in any thread, in a garbage collection. A weakref callback
+# run there is Python code, and a signal can cut it: a script's own SIGINT handler (or Python's) raised
+# ``KeyboardInterrupt`` on its first line ("Exception ignored in: <function _released>") and the slot was lost for
+# good; no section can be around code that runs wherever the caller is. So the death of a batch runs nothing of
+# ours: ``batch()`` registers a weak reference *without a callback* to the array that owns the slot's bytes, with
+# what returns the slot, in ``_HANDED``; ``reclaim()`` walks the registry and returns the slots of the dead ones.
+# The loader calls it where it already runs, before it drains what was returned (``DroppedBatches.due`` under
+# ``Inbox.flush``: every ``next()``, every pump of a wait; ``ReleaseQueue`` with pinned rings), always inside a
+# ``critical()`` section of procs/interrupts.py. It cannot be interrupted there: in a section of the main thread
+# SIGINT's Python handler is gigashuffle's, which only records the signal, whatever handler the script installed
+# before or after the loader (the section puts its own in on entry and the script's back on exit), and other
+# threads never run Python signal handlers. An interrupt before the section is entered leaves the registry as it
+# was, to be walked next time, and ``dict.pop`` hands each entry to exactly one walk, so a slot goes back once.
+# The walk is O(batches the caller holds) (each at most a ring slot: past ``ring_depth - 1`` the caller gets
+# copies), one dead-reference test each, and makes no view per batch.
+# Module-level, as weakref.finalize's registry is: a slot still goes back when the ring object that made the batch
+# is gone first (a pinned ring's release must still reach its queue).
+_HANDED: dict[int, tuple[weakref.ref[Any], Callable[[], None]]] = {}
 
 
-def _released(ref: weakref.ref[Any]) -> None:
-    entry = _RELEASES.pop(id(ref), None)
-    if entry is not None:
-        entry[1]()
+def reclaim() -> int:
+    """Run the release of every handed-out batch whose views are all gone, once each (NOTE [ Reclaimed ring
+    slots ]); returns how many. The caller runs it inside a ``critical()`` section."""
+    if not _HANDED:
+        return 0
+    reclaimed = 0
+    for key, (ref, _release) in list(_HANDED.items()):
+        if ref() is None:
+            entry = _HANDED.pop(key, None)  # atomic: a second walk (another thread's) finds it gone
+            if entry is not None:
+                entry[1]()
+                reclaimed += 1
+    return reclaimed
+
+
+def handed_out() -> int:
+    """Batches handed out whose slots ``reclaim()`` has not returned yet (alive, or dead and not yet walked)."""
+    return len(_HANDED)
 
 
 def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
@@ -289,15 +319,15 @@ class BatchRing:
     def batch(self, k: int, on_release: Callable[[], None] | None = None) -> list[dict[str, torch.Tensor]]:
         """Typed zero-copy views of ring slot ``k`` shaped like the dataset's chunks.
 
-        Every view keeps one fresh numpy array alive, the owner of the slot's bytes; ``on_release`` runs when the
-        last view (or any view derived from it) is gone, which is when the ring slot may be overwritten.
+        Every view keeps one fresh numpy array alive, the owner of the slot's bytes; ``on_release`` runs in the
+        first ``reclaim()`` after the last view (or any view derived from it) is gone, which is when the ring slot
+        may be overwritten (NOTE [ Reclaimed ring slots ]).
         """
         owner = self.memory.numpy_view(k * self.slot_bytes, self.slot_bytes)
         if on_release is not None:
-            # A weak reference with a callback rather than weakref.finalize: the same guarantee (it runs when the
-            # owner dies) at a fraction of the cost, since finalize also registers itself for interpreter exit.
-            ref = weakref.ref(owner, _released)
-            _RELEASES[id(ref)] = (ref, on_release)
+            # No callback: the owner's death runs no code of ours (NOTE [ Reclaimed ring slots ]).
+            ref = weakref.ref(owner)
+            _HANDED[id(ref)] = (ref, on_release)
         # Each view is cut in numpy (a slice of the owner keeps it as its base) and then wrapped by torch: a
         # quarter of the cost of slicing and viewing a torch tensor of the owner, per field and batch.
         batch: list[dict[str, torch.Tensor]] = [{} for _ in range(self.layout.num_groups)]

@@ -13,17 +13,18 @@ Every writer and reader of the node waits on this lock, so no path may leave it 
   releases the thread lock.
 - Asynchronous ones (a Python signal handler raising, e.g. KeyboardInterrupt on Ctrl-C): they can land at any
   bytecode, including between a ``flock`` returning and the ``try`` that would release it, or inside the cleanup
-  itself, so no arrangement of ``finally`` blocks is enough. They are *deferred* instead: in the main thread (the
-  only one a Python handler runs in), while SIGINT has a Python handler, each lock attempt and each hold runs
-  with SIGINT's handler held back (``_Deferral``: a wrapper handler that records the signal while a hold is in
-  progress and calls the handler it wrapped once the hold is over, with nothing held). Ctrl-C still ends a wait
-  at once: a timed wait polls and delivers a held-back signal between attempts; an untimed one blocks in flock
-  with the handler let through, which flips back to deferring as it runs, so the exception (out of flock, or
-  just after it returned with the lock) meets a cleanup that unlocks unconditionally and cannot be interrupted.
-  Other threads, and processes where SIGINT is ignored (writers and readers: the zygote ignores it), take the
-  lock as before, at the cost of one ``signal.getsignal`` per acquire. Chosen over ``finally`` alone because that cannot
-  be made safe at every bytecode, and over ``pthread_sigmask`` because Python runs handlers in the main thread
-  whichever thread the kernel delivers to. A handler installed later for SIGINT is wrapped on the next acquire.
+  itself, so no arrangement of ``finally`` blocks is enough. They are deferred instead, by the loader's one SIGINT
+  mechanism (NOTE [ Ctrl-C ] in procs/interrupts.py): in the main thread (the only one a Python handler runs in),
+  while SIGINT has a Python handler, each lock attempt and each hold is a ``blocking`` section of it, opened before
+  the attempt and closed after the release, whatever handler the script installed, before or after the loader.
+  Ctrl-C still ends a wait at once where every open section allows it (no section around, or only ``stats()``'s
+  and ``evict()``'s): a timed wait delivers a deferred one between attempts, outside the section; an untimed one
+  blocks in flock with the signal let through (``begin_wait``), so the exception (out of flock, or just after it
+  returned with the lock) meets a cleanup that unlocks unconditionally and runs deferred again. Other threads, and
+  processes where SIGINT is ignored (writers and readers: the zygote ignores it), take the lock as before, at the
+  cost of one ``getsignal`` per acquire. Chosen over ``finally`` alone because that cannot be made safe at every
+  bytecode, and over ``pthread_sigmask`` because Python runs handlers in the main thread whichever thread the
+  kernel delivers to.
 - Fork: ``flock`` belongs to the open file description, which a fork shares. A child that kept the parent's
   description would keep a lock its parent took through it alive after the parent died (and ``lock_holder()``
   would name the dead parent). So an ``os.register_at_fork`` hook closes every lock description in the child at
@@ -40,12 +41,12 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 from gigashuffle.errors import NodeLockBusy
 from gigashuffle.host.pids import describe_process, flock_holder
+
+# The one SIGINT mechanism (stdlib only; the layer contract in pyproject.toml lets this module alone reach it).
+from gigashuffle.procs import interrupts
 from gigashuffle.shm.buffer import SharedMemory
 
 # This process's pid and main thread, kept current across os.fork() by the hook below: os.getpid() is a system
@@ -55,77 +56,18 @@ _main_thread = [threading.main_thread().ident]
 _LOCKS: weakref.WeakSet[NodeLock] = weakref.WeakSet()
 
 
-class _Deferral:
-    """Holds SIGINT's Python handler back while the main thread takes or holds a node lock (NOTE above)."""
-
-    def __init__(self) -> None:
-        self.handler = self._handle  # one bound method, compared by identity on every acquire
-        self.depth = 0
-        self.waiting = False  # the main thread is blocked in flock, in a deferred section
-        self.pending: list[tuple[int, FrameType | None]] = []
-        self.wrapped: Callable[[int, FrameType | None], Any] | None = None
-
-    def needed(self) -> bool:
-        """True in the main thread while SIGINT has a Python handler (wrapping it first if it is a new one)."""
-        if _get_ident() != _main_thread[0]:
-            return False
-        current = _getsignal(_SIGINT)
-        if current is self.handler:
-            return True
-        if not callable(current):  # ignored or default in C (an int): no Python exception can come of it
-            return False
-        self.wrapped = current
-        signal.signal(_SIGINT, self.handler)
-        return True
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.waiting:
-            # Let it end the wait (its exception comes out of flock, or just after flock took the lock, where the
-            # caller unlocks unconditionally); signals during that cleanup are held back again.
-            self.waiting = False
-        elif self.depth:
-            self.pending.append((signum, frame))
-            return
-        else:
-            self.pending.clear()  # superseded by this one
-        if self.wrapped is not None:
-            self.wrapped(signum, frame)
-
-    def leave(self) -> None:
-        """End one deferred section; at the outermost, run the handlers held back (this may raise)."""
-        self.depth -= 1
-        while self.depth == 0 and self.pending:
-            signum, frame = self.pending.pop(0)
-            if self.wrapped is not None:
-                self.wrapped(signum, frame)
+def _deferring() -> bool:
+    """True in the main thread while SIGINT has a Python handler: only then can an exception land anywhere."""
+    return _get_ident() == _main_thread[0] and callable(_getsignal(_SIGINT))
 
 
 # _signal.getsignal, not signal.getsignal: the latter wraps the answer in an enum, 0.5 us per acquire.
 _get_ident, _getsignal, _SIGINT = threading.get_ident, _signal.getsignal, signal.SIGINT
-_deferral = _Deferral()
-
-
-def effective_sigint_handler() -> Any:
-    """SIGINT's handler as the program set it: the one the deferral wraps while the deferral is installed."""
-    current = _getsignal(_SIGINT)
-    return _deferral.wrapped if current is _deferral.handler else current
-
-
-def set_sigint_handler(handler: Any) -> None:
-    """Install ``handler`` for SIGINT beneath the deferral when that is installed, so that neither wraps the other
-    twice (a handler that chains to the one it replaced would otherwise call itself through the deferral)."""
-    if _getsignal(_SIGINT) is _deferral.handler and callable(handler):
-        _deferral.wrapped = handler
-    else:
-        signal.signal(_SIGINT, handler)
 
 
 def _after_fork_in_child() -> None:
     _pid[0] = os.getpid()
     _main_thread[0] = threading.get_ident()
-    _deferral.depth = 0
-    _deferral.waiting = False
-    _deferral.pending.clear()
     for lock in list(_LOCKS):
         lock._forget_parent()
 
@@ -147,7 +89,7 @@ class NodeLock:
 
     def acquire(self, wait_s: float | None = None) -> None:
         """Take the lock; with ``wait_s``, raise NodeLockBusy if it stays held that long."""
-        deferring = _deferral.needed()
+        deferring = _deferring()
         if wait_s is None and not deferring:  # no asynchronous exception can land here: the hot path, inlined
             self._thread_lock.acquire()
             try:
@@ -161,17 +103,17 @@ class NodeLock:
         deadline = None if wait_s is None else time.monotonic() + wait_s
         pause = 0.001
         while True:
-            if deferring:
-                _deferral.depth += 1
+            counted = deferring and interrupts.enter(blocking=True)
             taken = False
             try:
-                taken = self._take(blocking=wait_s is None, deferred=deferring)
+                taken = self._take(blocking=wait_s is None, deferred=counted)
             finally:
-                if deferring and not taken:
-                    _deferral.leave()  # nothing is held here: a held-back Ctrl-C ends the wait now
+                if not taken:
+                    interrupts.leave(counted, blocking=True)  # nothing is held here: a Ctrl-C ends the wait now
             if taken:
-                self._deferring = deferring
+                self._deferring = counted
                 return
+            interrupts.interrupt_point()  # inside the caller's blocking section (stats(), evict()), if any
             if deadline is not None and time.monotonic() >= deadline:
                 holder = self.holder()
                 raise NodeLockBusy(wait_s or 0.0, "an unknown process" if holder is None else describe_process(holder))
@@ -188,12 +130,14 @@ class NodeLock:
                 self._open_own_description()
             if not blocking:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            else:
-                _deferral.waiting = True  # a signal's exception ends the wait: see _Deferral._handle
+            elif deferred:
+                interrupts.begin_wait()  # a Ctrl-C's exception ends the wait: NOTE above
                 try:
                     fcntl.flock(self._fd, fcntl.LOCK_EX)
                 finally:
-                    _deferral.waiting = False
+                    interrupts.end_wait()
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
             return True
         except BlockingIOError:
             self._thread_lock.release()
@@ -217,7 +161,7 @@ class NodeLock:
             self._thread_lock.release()
             if self._deferring:
                 self._deferring = False
-                _deferral.leave()  # may raise a held-back KeyboardInterrupt: the lock is free by now
+                interrupts.leave(True, blocking=True)  # may raise a deferred KeyboardInterrupt: the lock is free
 
     def holder(self) -> int | None:
         """The pid holding the lock now (from ``/proc/locks``), or None."""

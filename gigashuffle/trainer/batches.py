@@ -98,11 +98,15 @@ class Batches:
         sup.say_go()
         # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
         # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
-        # [ Batched frees ]).
-        self._placement.poll()
-        inbox.flush(everything=not inbox.ready)
-        if not inbox.ready:
-            self._wait_for_batch()
+        # [ Batched frees ]). With a batch ready, that and the hand-over are one section: only the outermost
+        # section swaps SIGINT's handler in and out (NOTE [ Ctrl-C ] in procs/interrupts.py).
+        with critical():
+            self._placement.poll()
+            inbox.flush(everything=not inbox.ready)
+            if inbox.ready:
+                self._filled()
+                return self.deliver(*inbox.pop())
+        self._wait_for_batch()
         self._filled()
         # Popped and handed over in one section: a batch popped and never made is a ring slot lost for good. A Ctrl-C
         # meanwhile drops this batch on the way out, and its slot returns like any dropped batch's (NOTE [ Ctrl-C ]).

@@ -9,18 +9,20 @@ A batch walks from a reader to the trainer and back through the reader, this inb
      pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
      that raises (a CUDA OOM in the device copy, a failed wait, an interrupt) still returns the slot: at once if
      nothing was queued that reads it, else once the copy stream has passed what was;
-  3. a dropped batch's finalizer records the slot (*dropped*), ``flush`` moves it to the reader's *unsent* slots and
-     sends them back in one ``FreeSlot`` (NOTE [ Batched frees ]): the reader may gather into it again.
+  3. the next flush's ``buffer.reclaim()`` records a dropped batch's slot (*dropped*), ``flush`` moves it to the
+     reader's *unsent* slots and sends them back in one ``FreeSlot`` (NOTE [ Batched frees ]): the reader may
+     gather into it again.
 A fill_once pass (``open_pass``) ends when the reader's ``PassEnd`` has come and no batch of it is ready. Slots of a
 reader that died are never sent back (its ring is gone with it); the inbox forgets such a reader, and unmaps its
 ring, once no batch of it is ready or held.
 
 NOTE [ Batched frees ]
 A delivered batch is a set of views into one slot ``k`` of its reader's ring; when the caller drops the last of
-them, a finalizer (any thread, so it only appends to a deque) records ``(child, k)``. The trainer thread drains
-that record: the child's ``held`` count falls at once (``Inbox.hand_over``'s copy fallback reads it), and ``k`` joins
-the child's unsent slots. Sending them is what costs: a ``FreeSlot`` is a send for the trainer and a wakeup and a
-receive for the reader, and one per batch was a tenth of the trainer's CPU on token rows. So:
+them, the next ``buffer.reclaim()`` records ``(child, k)`` (NOTE [ Reclaimed ring slots ] in shm/buffer.py). The
+trainer thread drains that record: the child's ``held`` count falls at once (``Inbox.hand_over``'s copy fallback
+reads it), and ``k`` joins the child's unsent slots. Sending them is what costs: a ``FreeSlot`` is a send for the
+trainer and a wakeup and a receive for the reader, and one per batch was a tenth of the trainer's CPU on token
+rows. So:
   * while a batch is ready, the trainer returns a reader's slots once half its ring waits to go back
     (``frees_per_message``): the reader keeps the other half to draw into, and gets its slots in one message;
   * whenever the trainer is about to wait (no batch ready, every pump, a pass that ends), it sends them all.
@@ -35,7 +37,6 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
-from gigashuffle.procs import interrupts
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import FreeSlot, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
@@ -43,11 +44,6 @@ from gigashuffle.shm import buffer
 from gigashuffle.trainer.pinning import Batch, Placement
 
 log = logging.getLogger(__name__)
-
-# The weakref callback that runs ``release_later``'s partial when a batch's last view dies, at any bytecode of the
-# caller: a Ctrl-C in it would lose the ring slot (NOTE [ Ctrl-C ] in procs/interrupts.py). shm/buffer.py exports no
-# name for it, so it is named here.
-interrupts.protect(buffer._released.__code__)
 
 
 def frees_per_message(ring_depth: int) -> int:
@@ -59,18 +55,19 @@ class DroppedBatches:
     """The ring slots of dropped batches, by reader, until the trainer sends them back (NOTE [ Batched frees ])."""
 
     def __init__(self) -> None:
-        self._dropped: deque[tuple[ChildProcess, int]] = deque()  # appended by batch finalizers, on any thread
+        self._dropped: deque[tuple[ChildProcess, int]] = deque()  # appended by buffer.reclaim() and device copies
         self._unsent: dict[int, ChildProcess] = {}  # id(child) -> a child with slots in child.unsent
 
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
-        """The finalizer of a batch in ring slot ``k`` of ``child``: a C call with no Python frame of its own, so
-        no Ctrl-C can land between its start and the append (NOTE [ Ctrl-C ] in procs/interrupts.py)."""
+        """What returns ring slot ``k`` of ``child`` once its batch is gone, run by ``buffer.reclaim()`` inside a
+        section (NOTE [ Reclaimed ring slots ] in shm/buffer.py)."""
         return functools.partial(self._dropped.append, (child, k))
 
     def due(self, *, everything: bool) -> Iterator[tuple[ChildProcess, list[int]]]:
         """Drain the dropped batches; yield each reader's slots that are due to go back now (all of them, with
         ``everything``), in one list per reader. The caller runs the whole loop in one ``critical()`` section: a
         slot popped here and not yet sent is in no list."""
+        buffer.reclaim()  # batches whose views died since: NOTE [ Reclaimed ring slots ] in shm/buffer.py
         dropped = self._dropped
         while dropped:
             child, k = dropped.popleft()

@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from gigashuffle.procs import interrupts
 from gigashuffle.procs.interrupts import critical
+from gigashuffle.shm import buffer
 from gigashuffle.trainer.cudaops import Event
 
 
 class Ticket:
-    """One delivered ring slot: ``dropped`` is the finalizer of its CPU views (it may run in any thread)."""
+    """One delivered ring slot: ``dropped`` runs once its CPU views are gone (from ``buffer.reclaim()``, in a
+    section: NOTE [ Reclaimed ring slots ] in shm/buffer.py) or, for a device copy, at once."""
 
     __slots__ = ("_dropped", "event", "release")
 
@@ -22,11 +23,7 @@ class Ticket:
         self._dropped = dropped
 
     def dropped(self) -> None:
-        self._dropped.append(self)  # deque.append is atomic: nothing else is safe in a finalizer of any thread
-
-
-# A batch's views may die at any bytecode of the main thread: NOTE [ Ctrl-C ] in procs/interrupts.py.
-interrupts.protect(Ticket.dropped.__code__)
+        self._dropped.append(self)
 
 
 class ReleaseQueue:
@@ -48,6 +45,7 @@ class ReleaseQueue:
         return len(self._pending) + len(self._dropped)
 
     def _collect(self) -> None:
+        buffer.reclaim()  # the tickets of pinned batches whose views died since: NOTE [ Reclaimed ring slots ]
         shared: list[Event | None] = []  # one event covers every batch dropped before it is recorded
         while self._dropped:
             ticket = self._dropped.popleft()

@@ -70,6 +70,3 @@ def _close_at_exit() -> None:
     with critical(deliver=False):
         while _OPEN_LOADERS:
             _OPEN_LOADERS.pop()()
-
-
-interrupts.protect(_close_at_exit.__code__)

@@ -7,6 +7,12 @@ batch, so every interrupt lands in a loader call or a batch's release. Then, wit
 batch and checks, with deadlines, that each reader's whole ring comes back as ready batches (no ring slot lost),
 that the node lock is free, and that 200 more batches arrive. Prints one JSON line.
 
+``handler_storm URL QUEUE ARRANGEMENT STORM_S DEADLINE_S``: a script with its own SIGINT handler that raises
+``KeyboardInterrupt`` wherever the signal lands, installed ``before`` the loader is built, ``after`` it, or
+``chained`` (one before, and one after that calls the one it replaced), under a Ctrl-C about every 50 ms for
+``STORM_S`` seconds while it calls ``loader.stats()`` and ``next(it)`` and drops batches, catching each interrupt
+and carrying on with a new iterator. Then the same checks as ``storm``, and whether its handler is still installed.
+
 ``no_close QUEUE``: the embedded server, a few batches and ``loader.stats()``, then exit without ``close()``.
 ``interrupted QUEUE``: the embedded server, batches until Ctrl-C, no ``with`` and no ``close()``: prints ``READY``
 and the pids of the loader's processes and of the server, then iterates until interrupted.
@@ -131,6 +137,81 @@ def _after_storm(loader: MultiprocessShuffledDataloader, deadline_s: float) -> d
     }
 
 
+class ScriptsHandler:
+    """A "save on Ctrl-C" script's handler: counts, calls the handler it replaced if it chains, raises."""
+
+    def __init__(self, chain_to: Any = None) -> None:
+        self.calls = 0
+        self.chain_to = chain_to
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.calls += 1
+        if callable(self.chain_to):
+            self.chain_to(signum, frame)
+        raise KeyboardInterrupt
+
+
+def handler_storm(url: str, queue: str, arrangement: str, storm_s: float, deadline_s: float) -> None:
+    first = ScriptsHandler()
+    if arrangement in ("before", "chained"):
+        signal.signal(signal.SIGINT, first)
+    cfg = DataloaderConfig(
+        bs=8, shuffle_size=256, queue_name=queue, num_writers=1, num_readers=2, ring_depth=2, redis_url=url
+    )
+    loader = MultiprocessShuffledDataloader(Rows(), cfg)
+    held: list[Any] = [next(iter(loader))]  # started, before the storm: start-up takes seconds
+    handler: Any = first
+    if arrangement == "after":
+        signal.signal(signal.SIGINT, first)
+    elif arrangement == "chained":
+        handler = ScriptsHandler()
+        handler.chain_to = signal.signal(signal.SIGINT, handler)
+    # A plain flag, not an Event: the script's handler raises anywhere, and an interrupt inside Event.set() can leave
+    # its lock held (see test_nodelock.py). Each signal lands in the main thread; the sender only sleeps and kills.
+    stop = [False]
+
+    def send() -> None:
+        rnd = random.Random(0)
+        while not stop[0]:
+            time.sleep(rnd.uniform(0.03, 0.07))
+            if not stop[0]:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    delivered = caught = 0
+    sender = threading.Thread(target=send, daemon=True)
+    end = time.monotonic() + storm_s
+    sender.start()
+    while True:  # an interrupt lands anywhere, the script's own lines included: each one is caught and counted
+        try:
+            while time.monotonic() < end:
+                try:
+                    it = iter(loader)
+                    while time.monotonic() < end:
+                        loader.stats()
+                        held.append(next(it))
+                        delivered += 1
+                        if len(held) > 1 or random.random() < 0.5:
+                            del held[0]
+                except KeyboardInterrupt:
+                    caught += 1
+            stop[0] = True
+            sender.join()
+            time.sleep(0.2)  # the last signal may still be on its way
+            break
+        except KeyboardInterrupt:
+            caught += 1
+    held.clear()
+    result = {
+        "caught": caught,
+        "delivered_in_storm": delivered,
+        "handler_calls": handler.calls,
+        "handler_kept": signal.getsignal(signal.SIGINT) is handler,
+    }
+    result.update(_after_storm(loader, deadline_s))
+    loader.close()
+    print(json.dumps(result), flush=True)
+
+
 LOADERS: list[MultiprocessShuffledDataloader] = []  # alive until the interpreter exits, as a script's globals are
 
 
@@ -189,6 +270,8 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "storm":
         storm(args[0], args[1], float(args[2]), float(args[3]))
+    elif mode == "handler_storm":
+        handler_storm(args[0], args[1], args[2], float(args[3]), float(args[4]))
     elif mode == "no_close":
         no_close(args[0])
     elif mode == "interrupted":

@@ -1,9 +1,9 @@
 """Ctrl-C at every line of the trainer's handovers (NOTE [ Ctrl-C ] in procs/interrupts.py), deterministically.
 
 A tracer raises SIGINT in this (main) thread at the n-th line executed inside the loader's batch path: the handover
-of a batch, the frees of dropped batches, a channel message read and applied, the release callback of a dropped
-batch. For every n the step either completes or ends in ``KeyboardInterrupt``, and the test iterates on with a new
-iterator, as a trainer that catches Ctrl-C does. Afterwards every ring slot of every reader must come back and the
+of a batch, the frees of dropped batches, a channel message read and applied, the reclaim of a dropped batch's
+ring slot. For every n the step either completes or ends in ``KeyboardInterrupt``, and the test iterates on with a
+new iterator, as a trainer that catches Ctrl-C does. Afterwards every ring slot of every reader must come back and the
 loader must keep delivering: a slot lost at any one of those lines fails it.
 """
 
@@ -39,7 +39,7 @@ TRACED: set[CodeType] = {
     DroppedBatches.due.__code__,
     Channel.recv_bytes.__code__,
     Channel.send_bytes.__code__,
-    buffer._released.__code__,
+    buffer.reclaim.__code__,
 }
 
 
