@@ -218,13 +218,14 @@ class MultiprocessShuffledDataloader:
         prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
         self._check_open()
         self._require_state_methods("state_dict")
+        number = self._sup.number_cut()  # first: NOTE [ Node cut ] in control/cutbarrier.py
         handed: list[Any] = []
         if (
             isinstance(unconsumed, (list, tuple)) and self.config.checkpoint_rows == "positions"
         ):  # views of ring slots: counted by origin
             handed, unconsumed = positions.traced(unconsumed, self._sup)
         extra = unconsumed_rows(unconsumed, self._sup) if unconsumed else None
-        return datasetstate.collect(self._sup, self.config, extra=extra, handed=handed)
+        return datasetstate.collect(self._sup, self.config, number, extra=extra, handed=handed)
 
     def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a

@@ -1,15 +1,22 @@
-"""Fail points: a SIGKILL at a named point of a child's cycle, for the tests of what a death exactly there must not
-break (NOTE [ Lanes ] in shm/lanes.py). Off unless ``GIGASHUFFLE_FAILPOINTS`` is set, and then read once, when the
-zygote imports this module; a call site costs one test of a module constant.
+"""Fail points: a SIGKILL, a Ctrl-C or a slow step at a named point of a process's cycle, for the tests of what a
+death or an interrupt exactly there must not break (NOTE [ Lanes ] in shm/lanes.py). Off unless
+``GIGASHUFFLE_FAILPOINTS`` is set, and then read once, when a process imports this module (the trainer; the zygote,
+whose children inherit it); a call site costs one test of a module constant.
 
-``GIGASHUFFLE_FAILPOINTS="<point>=<n>:<marker path>[,...]"``: the first process whose ``n``-th pass through
-``<point>`` comes while ``<marker path>`` does not exist creates it and SIGKILLs itself (so a respawned child does not
-die again). ``<point>=<n>:sleep=<seconds>`` instead makes the ``n``-th and every later pass that slow (a slow step
-that a protocol must wait for, not a synchronisation). Points: ``writer.after_commit`` (rows committed, nothing else
-done yet), ``reader.after_release`` (a draw's slots released, its batches not yet announced),
-``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node paused, before it lists the
-full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py), ``cut.before_buffer_copy`` (the same
-rank, readers resumed, writers held, before it copies those slots).
+``GIGASHUFFLE_FAILPOINTS="<point>=<n>:<action>[,...]"``, ``<action>`` one of:
+  * ``<marker path>``: the first process whose ``n``-th pass through ``<point>`` comes while the marker does not
+    exist creates it and SIGKILLs itself (so a respawned child does not die again);
+  * ``sleep=<seconds>[:<marker path>]``: the ``n``-th and every later pass is that slow (a slow step that a
+    protocol must wait for, not a synchronisation); the marker, if given, is created at the first such pass, so a
+    test can assert that the slow step happened;
+  * ``interrupt[=<seconds>]:<marker path>``: like the SIGKILL, once, but a SIGINT to itself (after sleeping that
+    long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there.
+Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a draw's slots
+released, its batches not yet announced), ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
+asked its readers to pause), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
+paused, before it lists the full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py),
+``cut.before_buffer_copy`` (the same rank, before it copies those slots: readers resumed in the saved-rows way,
+still paused by positions).
 """
 
 from __future__ import annotations
@@ -50,15 +57,32 @@ def reached(point: str) -> None:
     if armed is None:
         return
     _passes[point] = _passes.get(point, 0) + 1
-    count, marker = armed
+    count, action = armed
     if _passes[point] < count:
         return
-    if marker.startswith("sleep="):
-        time.sleep(float(marker.removeprefix("sleep=")))
+    if action.startswith("sleep="):
+        seconds, _, marker = action.removeprefix("sleep=").partition(":")
+        if marker and not os.path.exists(marker):
+            _mark(marker)
+        time.sleep(float(seconds))
         return
+    interrupt = action.startswith("interrupt")
+    delay, marker = action.removeprefix("interrupt").removeprefix("=").split(":", 1) if interrupt else ("", action)
+    if not _mark(marker):
+        return  # fired already (in a predecessor, or another child)
+    if interrupt:
+        time.sleep(float(delay or 0))
+        log.warning("fail point %s: SIGINT pid %d", point, os.getpid())
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+    log.warning("fail point %s: SIGKILL pid %d", point, os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _mark(marker: str) -> bool:
+    """Create ``marker``; False if it existed."""
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
-        return  # fired already (in a predecessor, or another child)
-    log.warning("fail point %s: SIGKILL pid %d", point, os.getpid())
-    os.kill(os.getpid(), signal.SIGKILL)
+        return False
+    return True

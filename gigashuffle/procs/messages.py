@@ -78,7 +78,10 @@ class DatasetState:
 
 @dataclass(frozen=True)
 class Paused:
-    """A reader has announced every batch it drew and draws nothing until ``Resume`` (NOTE [ Checkpoint cut ])."""
+    """A reader has announced every batch it drew and draws nothing until ``Resume`` (NOTE [ Checkpoint cut ]).
+    ``cut`` is the number of the ``Pause`` it answers: a late answer to an aborted cut does not count for the next."""
+
+    cut: int
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,9 @@ class StateRequest:
 
 @dataclass(frozen=True)
 class Pause:
-    """A reader finishes the draw it has begun, answers ``Paused`` and draws nothing until ``Resume``."""
+    """A reader finishes the draw it has begun, answers ``Paused(cut)`` and draws nothing until ``Resume``."""
+
+    cut: int  # the checkpoint's cut number (NOTE [ Node cut ] in control/cutbarrier.py)
 
 
 @dataclass(frozen=True)

@@ -147,11 +147,11 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     lane = _Lane(table, reader_lane(cfg.local_rank, env.spec.index) if evict else NO_LANE)
     while True:
         others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
-        if _pausing(others):
+        if (cut := _pausing(others)) is not None:
             if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
                 _announce(env, buffer, table, ring, free, drawn, me, lane, 0, counters)
                 drawn = None
-            _pause(env, free)
+            _pause(env, free, cut)
             continue
         chores.tick()
         if drawn is None:
@@ -243,16 +243,17 @@ def _count_writers(table: SlotTable, batch: SlotIds, cells: np.ndarray[Any, np.d
         cells[R_WRITERS_N] += 1
 
 
-def _pausing(messages: list[ToChild]) -> bool:
-    """Whether the last of the cut's messages among ``messages`` is a ``Pause`` (a Resume may follow at once)."""
+def _pausing(messages: list[ToChild]) -> int | None:
+    """The cut number of the last of the cut's messages among ``messages`` if it is a ``Pause`` (a Resume may
+    follow at once), else None."""
     cut = [m for m in messages if isinstance(m, (Pause, Resume))]
-    return bool(cut) and isinstance(cut[-1], Pause)
+    return cut[-1].cut if cut and isinstance(cut[-1], Pause) else None
 
 
-def _pause(env: ChildEnv, free: deque[int]) -> None:
+def _pause(env: ChildEnv, free: deque[int], cut: int) -> None:
     """A checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py): every batch drawn is announced; say so and
     draw nothing until ``Resume``."""
-    env.channel.send(Paused())
+    env.channel.send(Paused(cut))
     paused = True
     while paused:
         # A reader slow to read its channel (two cores, busy) may find a Resume and the next cut's Pause together:
@@ -261,7 +262,7 @@ def _pause(env: ChildEnv, free: deque[int]) -> None:
             if isinstance(message, Resume):
                 paused = False
             elif isinstance(message, Pause):
-                env.channel.send(Paused())
+                env.channel.send(Paused(message.cut))
                 paused = True
 
 

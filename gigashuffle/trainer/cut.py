@@ -53,6 +53,7 @@ from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.trainer import positions
@@ -71,11 +72,15 @@ def exact(config: DataloaderConfig) -> bool:
 
 
 def take(
-    sup: Supervisor, config: DataloaderConfig, timeout_s: float, handed: Sequence[tuple[ChildProcess, int]] = ()
+    sup: Supervisor,
+    config: DataloaderConfig,
+    number: int,
+    timeout_s: float,
+    handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> tuple[list[DatasetState], dict[str, Any]]:
-    """Pause this rank's writers and readers (and, through the node barrier, wait for the node's other ranks to
-    pause theirs), read the states and the undelivered rows, resume them. ``handed``: unconsumed batches found in
-    their ring slots (checkpoints by positions: trainer/positions.py)."""
+    """Checkpoint ``number``'s cut (``Supervisor.number_cut``): pause this rank's writers and readers (and, through
+    the node barrier, wait for the node's other ranks to pause theirs), read the states and the undelivered rows,
+    resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions)."""
     deadline = time.monotonic() + timeout_s
     pause = exact(config)
     if not pause:
@@ -85,9 +90,9 @@ def take(
     by_positions = pause and config.checkpoint_rows == "positions"  # it saves few rows: no arrays ahead
     saved = SavedRows(sup, copy_buffer=copy_buffer) if pause and not by_positions else None
     started = time.monotonic()  # the pause starts here
-    number = sup.start_cut(pause)
+    sup.start_cut(pause)
     barrier = _barrier(sup, config) if pause else None
-    readers = _ReaderPause(sup, config)
+    readers = _ReaderPause(sup, config, number)
     marks: list[tuple[str, float]] = []
     try:
         # Readers are asked with the writers, not after them: the two waits overlap (a writer putting saved rows
@@ -199,8 +204,8 @@ class _ReaderPause:
     """Asks every reader of the rank to pause (once per spawned child), tells when all that hold rows have, and
     resumes them."""
 
-    def __init__(self, sup: Supervisor, config: DataloaderConfig) -> None:
-        self._sup, self._config = sup, config
+    def __init__(self, sup: Supervisor, config: DataloaderConfig, number: int) -> None:
+        self._sup, self._config, self._number = sup, config, number
         self._asked: set[int] = set()  # spawn seqs
         self._resumed: set[int] = set()
         self.resumed_at: float | None = None  # when the first Resume went out: the node's delivery pause ends
@@ -209,10 +214,12 @@ class _ReaderPause:
         for child in self._sup.readers():
             if child.seq not in self._asked:
                 try:
-                    child.channel.send(Pause())
+                    child.channel.send(Pause(self._number))
                 except OSError:
                     continue
                 self._asked.add(child.seq)
+        if failpoints.ACTIVE:
+            failpoints.reached("cut.readers_asked")
 
     def wait(self, deadline: float) -> None:
         while True:

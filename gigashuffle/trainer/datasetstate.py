@@ -46,6 +46,7 @@ def rank_key(global_rank: int) -> str:
 def collect(
     sup: Supervisor,
     config: DataloaderConfig,
+    number: int,
     timeout_s: float = REPLY_TIMEOUT_S,
     extra: tuple[str, list[np.ndarray[Any, Any]]] | None = None,
     handed: Sequence[tuple[ChildProcess, int]] = (),
@@ -57,7 +58,7 @@ def collect(
     the new one answers from the state the trainer gave it (NOTE [ Respawned writers ]). Past ``timeout_s`` (or
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
-    answers, rows = cut.take(sup, config, timeout_s, handed)
+    answers, rows = cut.take(sup, config, number, timeout_s, handed)
     if extra is not None:  # the rows of batches handed out and not trained on (trainer/unconsumed.py)
         rows = with_unconsumed(rows, extra)
     entries = [positions.entry_of(a) for a in answers]  # NOTE [ Positions checkpoint ] in trainer/positions.py

@@ -50,6 +50,7 @@ import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
@@ -146,6 +147,8 @@ def cut_rows(
     table = sup.table()
     buffer, ids = None, _NONE
     if table is not None:
+        if failpoints.ACTIVE and copy_buffer:
+            failpoints.reached("cut.before_buffer_list")
         full = table.full_ids()
         origins = table.origin[full]
         # Whose rows this rank saves when no writer of its re-reads them: its own lanes', and on local rank 0
@@ -164,6 +167,8 @@ def cut_rows(
         return rebased, {}
     widths = [s.row_bytes for s in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
     views = [np.empty((total, width), dtype=np.uint8) for width in widths]
+    if failpoints.ACTIVE and copy_buffer and buffer is not None:
+        failpoints.reached("cut.before_buffer_copy")
     copy_rows(views, buffer, ids, pieces)
     return rebased, {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
 

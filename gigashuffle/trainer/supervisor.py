@@ -93,7 +93,9 @@ class Supervisor:
         self.inbox = Inbox(placement, self.children)  # the ring slots of this rank's readers
         self._on_ring = placement.adopt  # a reader's ring arrived: rings are registered with CUDA then, not per batch
         self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
-        self._paused: set[int] = set()  # spawn seqs of readers that answered Pause (NOTE [ Checkpoint cut ])
+        # Spawn seqs of readers that answered the current cut's Pause (NOTE [ Checkpoint cut ]): a Paused of an
+        # earlier, aborted cut is dropped, or the next cut would not wait for that reader's batches.
+        self._paused: set[int] = set()
         self._last_cut_s = 0.0  # how long the last cut kept this rank's readers from delivering (for the bench)
         self.cut_parts: dict[str, float] = {}  # seconds per phase of the last cut, and the writers' hold (bench)
         self._pumping = threading.RLock()  # see pump()
@@ -152,7 +154,7 @@ class Supervisor:
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
         seq, channel = self.zygote.spawn(self._specs.spec(role, index), title)
         if role == "reader" and self._specs.cutting:
-            channel.send(Pause())  # read before its first draw
+            channel.send(Pause(self._cuts))  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
 
     # -- the message pump ------------------------------------------------------------------------------------
@@ -221,7 +223,8 @@ class Supervisor:
         elif isinstance(message, DatasetState):
             self._states[message.index] = message
         elif isinstance(message, Paused):
-            self._paused.add(child.seq)
+            if message.cut == self._cuts and self._specs.cutting:
+                self._paused.add(child.seq)
         elif isinstance(message, PassEnd):
             self.inbox.pass_ended(message.number)
         elif isinstance(message, MixShare):
@@ -389,12 +392,16 @@ class Supervisor:
         self.send_to_writers(SetEpoch(epoch))
 
     # -- a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py) --------------------------------------
-    def start_cut(self, pause: bool) -> int:
-        """A new cut (its number: the node barrier's, NOTE [ Node cut ]); with ``pause``, children started from now
-        on start paused."""
-        self._specs.cutting = pause
+    def number_cut(self) -> int:
+        """The next checkpoint's number (the node barrier's, NOTE [ Node cut ]), taken first in ``state_dict()``,
+        before anything that can raise: every call counts on every rank, so a call that fails on one rank (a
+        Redis error, a Ctrl-C) leaves no rank a checkpoint behind the others for good."""
         self._cuts += 1
         return self._cuts
+
+    def start_cut(self, pause: bool) -> None:
+        """The cut of the checkpoint last numbered begins: with ``pause``, children started from now on start paused."""
+        self._specs.cutting = pause
 
     def end_cut(self, started: float, readers_resumed: float | None, parts: dict[str, float]) -> None:
         """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again. Its
@@ -410,7 +417,7 @@ class Supervisor:
         return self._states.get(index)
 
     def is_paused(self, child: ChildProcess) -> bool:
-        """Whether reader ``child`` answered ``Pause``."""
+        """Whether reader ``child`` answered the current cut's ``Pause``."""
         return child.seq in self._paused
 
     def send_to_writers(self, message: ToChild) -> None:

@@ -169,7 +169,11 @@ def main() -> None:
                 before.write(f"{i} {ps}\n")
         before.flush()
         os.fsync(before.fileno())
-    state = loader.state_dict()
+    try:
+        state = loader.state_dict()
+    except KeyboardInterrupt:  # a Ctrl-C inside it (a fail point): take it again, as README says a script may,
+        time.sleep(0.1)  # after some work of its own: the loader's readers draw again meanwhile
+        state = loader.state_dict()
     torch.save(state, args.save + ".tmp")
     os.replace(args.save + ".tmp", args.save)
     with open(args.out + ".after", "w") as after:

@@ -54,7 +54,8 @@ def run_scenario(
     drain_s: float = 90,
     way: str = "",
 ) -> tuple[int, int, int]:
-    """(lost, twice, counted) over the ids of pass 0. ``failpoints``: per segment, ``<point>=<n>`` armed in it once.
+    """(lost, twice, counted) over the ids of pass 0. ``failpoints``: per segment, ``<point>=<n>[:<action>]`` (comma
+    separated), each armed in it with a marker that must show it fired (gigashuffle/procs/failpoints.py).
     ``dataset``: checkpoint_job.py's ``--dataset``/``--data`` arguments (default: its own finite dataset);
     ``drain_s``: how long the last segment waits for the ids not yet counted (a lost one never comes: it stops then,
     before the segment's own timeout); ``way``: DataloaderConfig.checkpoint_rows ('': the default)."""
@@ -65,12 +66,13 @@ def run_scenario(
     for seg in range(3):
         save = tmp / f"ckpt{seg}.pt"
         kill = ["--kill-writer-at", str(before // 2)] if seg == kill_writer_in else []
-        point = (failpoints or {}).get(seg, "")
-        fired = tmp / f"fired{seg}"
-        armed = f"{point}:{fired}" if point else ""
+        points = [p for p in (failpoints or {}).get(seg, "").split(",") if p]
+        fired = [tmp / f"fired{seg}-{i}" for i in range(len(points))]
+        armed = ",".join(f"{p}:{f}" for p, f in zip(points, fired, strict=True))
         log = _segment(redis_url, queue, tmp / f"seg{seg}", *sizes, "--before", str(before), "--after", str(after),
                        "--save", str(save), *(["--resume", ckpt] if ckpt else []), *kill, failpoint=armed)  # fmt: skip
-        assert not armed or fired.exists(), f"fail point {point} never fired in segment {seg}:\n{log}"
+        for point, marker in zip(points, fired, strict=True):
+            assert marker.exists(), f"fail point {point} never fired in segment {seg}:\n{log}"
         assert save.exists(), f"segment {seg} wrote no checkpoint:\n{log}"
         counted += _read(tmp / f"seg{seg}.before")
         ckpt = str(save)
@@ -113,6 +115,19 @@ def test_a_writer_killed_right_after_a_commit_and_a_reader_between_release_and_a
     second lost those batches (15 ids in a fresh-clone run of the node cut; 32 here without the trainer's recovery)."""
     points = {1: "writer.after_commit=12", 2: "reader.after_release=5"}
     lost, twice, _ = run_scenario(redis_url, tmp_path, failpoints=points, way=way)
+    assert (lost, twice) == (0, 0)
+
+
+@WAYS
+def test_a_checkpoint_taken_again_after_a_ctrl_c_inside_the_first_try_costs_nothing(
+    redis_url: str, tmp_path: Path, way: str
+) -> None:
+    """Segment 1's first ``state_dict()`` is interrupted 0.5 s after it asked the readers to pause, before it read
+    their answers; the job catches the KeyboardInterrupt and takes the checkpoint again, while the readers are slow
+    between a draw and its announcement. Their answers to the aborted cut must not count for the new one, or it
+    lists the buffer without the rows they drew meanwhile (before answers named their cut: lost rows)."""
+    points = {1: "cut.readers_asked=1:interrupt=0.5,reader.after_release=1:sleep=0.2"}
+    lost, twice, _ = run_scenario(redis_url, tmp_path, failpoints=points, way=way, before=20, after=4)
     assert (lost, twice) == (0, 0)
 
 

@@ -20,12 +20,12 @@ def test_a_pause_read_together_with_the_last_cuts_resume_is_answered() -> None:
     trainer, child = Channel.pair()
     env = cast(Any, SimpleNamespace(channel=child))  # _pause talks to the trainer through its channel only
     trainer.send(Resume())
-    trainer.send(Pause())
-    paused = threading.Thread(target=reader._pause, args=(env, deque()), daemon=True)
+    trainer.send(Pause(2))
+    paused = threading.Thread(target=reader._pause, args=(env, deque(), 1), daemon=True)
     paused.start()
-    for cut in ("the first", "the second"):
-        assert trainer.poll(_WAIT_S), f"no Paused for {cut} cut"
-        assert isinstance(trainer.recv()[0], Paused)
+    for cut in (1, 2):  # each answer names the cut it answers: the trainer drops one of a cut that is over
+        assert trainer.poll(_WAIT_S), f"no Paused for cut {cut}"
+        assert trainer.recv()[0] == Paused(cut)
     assert paused.is_alive(), "the reader resumed although the second cut had paused it"
     trainer.send(Resume())
     paused.join(_WAIT_S)
