@@ -33,6 +33,9 @@ from gigashuffle.trainer import cut, elastic, positions
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.unconsumed import with_unconsumed
 
+# The checkpoint format each rank's part is written in (docs/checkpoint-format.md); a part without "format" is format
+# 0 (before the field existed: the same fields), which still loads. A newer one is refused, never guessed at.
+FORMAT = 1
 # How long state_dict() waits for every writer's answer, a dead writer's respawn included.
 REPLY_TIMEOUT_S = 60.0
 # How long load_state_dict() waits for the buffer's layout (the writers' first chunk) to check the saved rows' layout.
@@ -65,6 +68,7 @@ def collect(
     where = {"positions": [e for _s, e in entries]} if any(e is not None for _s, e in entries) else {}
     return {
         rank_key(config.global_rank): {
+            "format": FORMAT,
             "queue": config.queue_name,
             "global_rank": config.global_rank,
             "global_world_size": config.global_world_size,
@@ -122,6 +126,12 @@ def _checked(config: DataloaderConfig, key: str, part: Any, num_writers: int) ->
     """One rank's part (``key``) of a job of ``num_writers`` writers per rank: its queue, writers, skips, rows."""
     if not isinstance(part, dict):
         raise CheckpointError(f"load_state_dict: {key} must be the dict state_dict() saved, got {type(part).__name__}")
+    version = part.get("format", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= FORMAT:
+        raise CheckpointError(
+            f"load_state_dict: {key} is in checkpoint format {version!r} but this gigashuffle reads formats 0 to "
+            f"{FORMAT}; load it with the gigashuffle version that saved it (or a newer one)"
+        )
     if part.get("queue") != config.queue_name:
         raise CheckpointError(
             f"load_state_dict: {key} is a checkpoint of queue {part.get('queue')!r} but this loader's queue is "
