@@ -9,11 +9,14 @@ whose children inherit it); a call site costs one test of a module constant.
   * ``sleep=<seconds>[:<marker path>]``: the ``n``-th and every later pass is that slow (a slow step that a
     protocol must wait for, not a synchronisation); the marker, if given, is created at the first such pass, so a
     test can assert that the slow step happened;
+  * ``error:<marker path>``: the ``n``-th and every later pass raises ``AttachError`` (a step that keeps failing);
+    the marker is created at the first;
   * ``interrupt[=<seconds>]:<marker path>``: like the SIGKILL, once, but a SIGINT to itself (after sleeping that
     long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there.
 Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a draw's slots
 released, its batches not yet announced), ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
-asked its readers to pause), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
+asked its readers to pause), ``trainer.map_table`` (the trainer about to fetch the node's fds to map its slot
+table), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
 paused, before it lists the full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py),
 ``cut.before_buffer_copy`` (the same rank, before it copies those slots: readers resumed in the saved-rows way,
 still paused by positions).
@@ -25,6 +28,8 @@ import logging
 import os
 import signal
 import time
+
+from gigashuffle.errors import AttachError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,10 @@ def reached(point: str) -> None:
             _mark(marker)
         time.sleep(float(seconds))
         return
+    if action.startswith("error:"):
+        if not os.path.exists(marker := action.removeprefix("error:")):
+            _mark(marker)
+        raise AttachError(f"fail point {point}")
     interrupt = action.startswith("interrupt")
     delay, marker = action.removeprefix("interrupt").removeprefix("=").split(":", 1) if interrupt else ("", action)
     if not _mark(marker):

@@ -104,6 +104,8 @@ def take(
         readers.wait(deadline)
         marks.append(("readers", time.monotonic()))
         _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
+        if copy_buffer or by_positions:  # they list the buffer's rows: fail closed without its table
+            sup.table_for_cut(deadline)
         marks.append(("barrier", time.monotonic()))
         if by_positions:  # NOTE [ Positions checkpoint ] in trainer/positions.py
             answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)

@@ -20,6 +20,7 @@ from gigashuffle.control.session import NodeSession
 from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
 from gigashuffle.errors import AttachError, GigashuffleError, NodeLockBusy
 from gigashuffle.host.secret import node_secret
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
@@ -61,6 +62,8 @@ class TableView:
 
     def _map(self) -> None:
         try:
+            if failpoints.ACTIVE:
+                failpoints.reached("trainer.map_table")
             buffer_fd, table_fd = fetch_node_fds(self._session.store, self._config.queue_name, _ATTACH_TABLE_S)
         except AttachError as exc:
             log.debug("slot table not mapped yet: %s", exc)

@@ -24,7 +24,7 @@ from typing import Any
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
-from gigashuffle.errors import GigashuffleError, QueueStateLostError, WorkerDied
+from gigashuffle.errors import CheckpointError, GigashuffleError, QueueStateLostError, WorkerDied
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.channel import ChannelClosed
 from gigashuffle.procs.childenv import proc_name
@@ -65,6 +65,9 @@ from gigashuffle.trainer.resumepoints import ResumePoints
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
+# How long a checkpoint's cut tries to map an unmapped slot table (each try waits up to 2 s for an attach socket).
+_TABLE_FOR_CUT_S = 5.0
+_POLL_TABLE_S = 0.05
 # How long a dead child's lanes wait for the node lock before they are read around a stopped holder.
 _LANE_WAIT_S = 1.0
 
@@ -350,6 +353,24 @@ class Supervisor:
     def table(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
         return self.node_table.get()
+
+    def table_for_cut(self, deadline: float) -> None:
+        """Map the node's slot table for a checkpoint's cut, which lists the buffer's rows from it. None is
+        right only while no buffer exists (published, or attached to by a child of this rank): then it holds no
+        row. A buffer whose table cannot be mapped by ``deadline`` fails the checkpoint, instead of a cut that
+        silently saves none of the buffer's rows (nor finds where a dead writer's successor starts)."""
+        deadline = min(deadline, time.monotonic() + _TABLE_FOR_CUT_S)
+        while self.table() is None:
+            if "hmac" not in self.session.store.meta() and not any(c.attached for c in self.children):
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"queue {self.config.queue_name!r} rank {self.config.global_rank}: the checkpoint cannot map the "
+                    f"node's slot table (no process of the node answered on its attach socket in "
+                    f"{_TABLE_FOR_CUT_S:.0f} s), so it cannot save the buffer's rows; nothing was saved. See the "
+                    "log for the attach errors, and call state_dict() again"
+                )
+            self.pump(_POLL_TABLE_S)
 
     def _reclaim(self, child: ChildProcess) -> None:
         """Repair a dead child's slots in the table, then drop it from the process registry."""

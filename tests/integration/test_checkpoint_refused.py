@@ -15,6 +15,7 @@ from datasets import Counter, take
 from elastic_job import write_shards
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.procs import failpoints
 from gigashuffle.sources import ParquetReader, Sharded
 from gigashuffle.trainer.datasetstate import own_part
 
@@ -122,3 +123,25 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_formats(redis_url
                                                           r"reads formats 0 to 1")  # fmt: skip
     part = own_part(_config(redis_url, queue), {"rank0": {k: v for k, v in state["rank0"].items() if k != "format"}})
     assert part["rows"]["count"] == state["rank0"]["rows"]["count"], "a part without 'format' (format 0) loads"
+
+
+def test_a_cut_that_cannot_map_the_slot_table_fails_instead_of_saving_no_buffer_row(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer maps the node's slot table to list the buffer's rows at a cut. If it cannot (no attach socket
+    answers), the checkpoint fails with a CheckpointError, and is whole once the table can be mapped; it once saved
+    no buffer row at all and said so only in a debug log. The fail point is armed in this (the trainer's) process
+    only: its children attach as usual."""
+    marker = tmp_path / "fired"
+    monkeypatch.setattr(failpoints, "_POINTS", {"trainer.map_table": (1, f"error:{marker}")})
+    monkeypatch.setattr(failpoints, "ACTIVE", True)
+    queue = f"refuse-table-{uuid.uuid4().hex[:8]}"
+    with MultiprocessShuffledDataloader(Counter(), _config(redis_url, queue)) as loader:
+        take(iter(loader), 5)
+        with pytest.raises(CheckpointError, match="cannot map the node's slot table"):
+            loader.state_dict()
+        assert marker.exists(), "the fail point never fired: the test checked nothing"
+        monkeypatch.setattr(failpoints, "ACTIVE", False)
+        part = loader.state_dict()["rank0"]
+        take(iter(loader), 5)  # the failed cut resumed every child
+    assert part["rows"] and part["rows"]["count"] >= 64 // 2, "the buffer's rows were not saved once it was mapped"
