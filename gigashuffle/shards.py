@@ -2,9 +2,9 @@
 
 :class:`Sharded` reads shards (local files) through a reader: ``reader(path) -> (rows, read)`` where ``read(start,
 stop)`` returns rows ``[start, stop)`` of the shard as a chunk, ``list[dict[str, Tensor]]``. Ready-made readers:
-:class:`ParquetReader` (pyarrow, row group by row group), :class:`NpyReader` (a ``.npy`` array, memory-mapped) and
-:class:`PtReader` (a ``.pt`` dict of tensors); :class:`gigashuffle.tarshards.TarReader` reads webdataset tar shards
-(NOTE [ Tar shards ]). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
+:class:`gigashuffle.parquetshards.ParquetReader` (pyarrow, row group by row group), :class:`NpyReader` (a ``.npy``
+array, memory-mapped) and :class:`PtReader` (a ``.pt`` dict of tensors); :class:`gigashuffle.tarshards.TarReader`
+reads webdataset tar shards (NOTE [ Tar shards ]). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
 of every rank, NOTE [ Splitting a source ]) reads the shards ``s % G == g``, in chunks of ``rows`` rows within one
 shard. The source is finite: each ``iter()`` is one pass, every row once, and the next ``iter()`` is the next pass.
 Its state is a cursor per shard (NOTE [ Shard cursor ] in gigashuffle/shardcursor.py) with the pass number in it;
@@ -158,53 +158,6 @@ class Sharded(IterableDataset):  # type: ignore[type-arg]
         if shard not in self._lengths:
             self._open(shard)
         return self._lengths[shard]
-
-
-class ParquetReader:
-    """Reads parquet shards (pyarrow), a row group at a time: numeric columns and fixed-size lists of numbers, as
-    tensors; ``columns`` picks the columns (default: all)."""
-
-    def __init__(self, columns: Sequence[str] | None = None) -> None:
-        self.columns = list(columns) if columns is not None else None
-
-    def __call__(self, path: str) -> tuple[int, ReadRows]:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        file = pq.ParquetFile(path)
-        meta = file.metadata
-        starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-        cache: dict[int, Any] = {}
-
-        def read(start: int, stop: int) -> Chunk:
-            first = int(np.searchsorted(starts, start, side="right")) - 1
-            last = int(np.searchsorted(starts, stop, side="left"))
-            parts = []
-            for g in range(first, last):
-                if g not in cache:
-                    cache.clear()  # one row group in memory at a time: a shard's chunks come in order
-                    cache[g] = file.read_row_group(g, columns=self.columns)
-                lo, hi = max(start, starts[g]) - starts[g], min(stop, starts[g + 1]) - starts[g]
-                parts.append(cache[g].slice(int(lo), int(hi - lo)))
-            table = pa.concat_tables(parts)
-            return [{name: _arrow_tensor(path, name, table.column(name)) for name in table.column_names}]
-
-        return int(meta.num_rows), read
-
-
-def _arrow_tensor(path: str, name: str, column: Any) -> torch.Tensor:
-    import pyarrow as pa
-
-    array = column.combine_chunks()
-    if pa.types.is_fixed_size_list(array.type):
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        return torch.from_numpy(np.array(values).reshape(len(array), array.type.list_size))
-    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
-        raise TypeError(
-            f"ParquetReader: column {name!r} of {path} is {array.type}, which has no tensor form; pass "
-            "columns=[...] naming only numeric (or fixed-size list) columns"
-        )
-    return torch.from_numpy(np.array(array.to_numpy(zero_copy_only=False)))  # a copy: arrow buffers are read-only
 
 
 class NpyReader:
