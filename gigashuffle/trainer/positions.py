@@ -161,14 +161,14 @@ def cut_rows(
         ids = full[_covered(origins, oldest, found, saves)]
         buffer = sup.node_table.rows()
         layout_json = buffer.layout.to_json()
+        if failpoints.ACTIVE and copy_buffer:  # the copy (of these rows, often none) runs in the pause
+            failpoints.reached("cut.before_buffer_copy")
     rebased = [_found(a, lane, found) for lane, a in by_lane.items()]
     total = len(ids) + sum(len(p[0]) for p in pieces)
     if not total:
         return rebased, {}
     widths = [s.row_bytes for s in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
     views = [np.empty((total, width), dtype=np.uint8) for width in widths]
-    if failpoints.ACTIVE and copy_buffer and buffer is not None:
-        failpoints.reached("cut.before_buffer_copy")
     copy_rows(views, buffer, ids, pieces)
     return rebased, {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
 

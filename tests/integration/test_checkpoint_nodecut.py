@@ -123,8 +123,10 @@ def test_two_ranks_of_one_node_resume_every_row_once_past_a_slow_cut_a_killed_re
     rank 0 has not copied yet (lost) and add rows their saved state reads again (twice). In segment 1 a reader of
     the last rank is SIGKILLed, and that segment runs twice from the same checkpoint (a job that crashed before its
     next checkpoint): its first run's rows and checkpoint are dropped."""
-    slow_cut = {0: "cut.before_buffer_list=1:sleep=0.5,cut.before_buffer_copy=1:sleep=0.5"}
+    listed, copied = tmp_path / "slow-list", tmp_path / "slow-copy"  # each slow step leaves its marker
+    slow_cut = {0: f"cut.before_buffer_list=1:sleep=0.5:{listed},cut.before_buffer_copy=1:sleep=0.5:{copied}"}
     lost_twice = run_scenario(redis_url, tmp_path, way=way, failpoints=slow_cut, kill_reader_in=1, retry_segment=1)
+    assert listed.exists() and copied.exists(), "a slow step of the cut never ran: the test checked no wait"
     assert lost_twice[:2] == (0, 0)
 
 
