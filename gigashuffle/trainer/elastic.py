@@ -79,8 +79,9 @@ def reshard(
     states = [s for p in parts for s in p["writers"]]
     skips: list[int] = []
     segments: list[rereads.Rows | rereads.Kept] = []  # every saved row of the job, in rank order
-    for key, part in zip(keys, parts, strict=True):
-        part_skips, kept = rereads.fold(dataset, key, part)  # NOTE [ Positions across layouts ]
+    for rank, (key, part) in enumerate(zip(keys, parts, strict=True)):
+        # NOTE [ Positions across layouts ]; each old writer's rows re-read as that writer (its worker id)
+        part_skips, kept = rereads.fold(dataset, key, part, rank * writers, world * writers)
         skips += part_skips
         segments += [part["rows"], *kept]
     total = config.global_world_size * config.num_writers

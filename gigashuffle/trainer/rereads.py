@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs.workerinfo import standing_in_for
 from gigashuffle.schema import Layout
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,12 @@ class Kept:
     read: Callable[[], Rows]
 
 
-def fold(dataset: Any, key: str, part: dict[str, Any]) -> tuple[list[int], list[Kept]]:
+def fold(
+    dataset: Any, key: str, part: dict[str, Any], first_worker: int = 0, num_workers: int = 1
+) -> tuple[list[int], list[Kept]]:
     """A part's skips with every positions filter folded in, and what each filter kept (``Kept`` in writer order,
-    only those with rows)."""
+    only those with rows). ``first_worker``: the worker id of the part's writer 0 in the old job of
+    ``num_workers`` writers: each re-read sees that writer's ``get_worker_info()``, as it did."""
     skips = list(part["skip"])
     kept: list[Kept] = []
     for i, entry in enumerate(part.get("positions") or []):
@@ -55,13 +59,21 @@ def fold(dataset: Any, key: str, part: dict[str, Any]) -> tuple[list[int], list[
         skips[i] = max(int(entry["until"]), skip)
         if len(offsets):
             state = part["writers"][i]
-            kept.append(Kept(len(offsets), functools.partial(_read, dataset, state, offsets, f"{key}'s writer {i}")))
+            who = f"{key}'s writer {i}"
+            worker = (first_worker + i, num_workers)
+            kept.append(Kept(len(offsets), functools.partial(_read, dataset, state, offsets, who, worker)))
     return skips, kept
 
 
-def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str) -> Rows:
-    """Rows ``offsets`` (sorted) of the stream of a copy of ``dataset`` loaded with ``state``."""
+def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, worker: tuple[int, int]) -> Rows:
+    """Rows ``offsets`` (sorted) of the stream of a copy of ``dataset`` loaded with ``state``, read as the old
+    writer ``worker`` (its id, of how many) that wrote it: a dataset that shards by ``get_worker_info()``."""
     source = copy.deepcopy(dataset)
+    with standing_in_for(*worker, source):
+        return _read_as_worker(source, state, offsets, who, dataset)
+
+
+def _read_as_worker(source: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, dataset: Any) -> Rows:
     source.load_state_dict(copy.deepcopy(state))
     picked: list[list[torch.Tensor]] = []
     layout: Layout | None = None

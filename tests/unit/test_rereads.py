@@ -80,3 +80,22 @@ def test_each_rank_reads_only_the_kept_rows_of_its_share() -> None:
     assert got == [[100, 101, 102, 103], [0, 1, 2, 3], [10, 11, 12, 13]]
     assert reads == [0, 10], "rank 0's share holds no kept rows: it reads none"
     assert np.array_equal(np.concatenate(got), [100, 101, 102, 103, 0, 1, 2, 3, 10, 11, 12, 13])
+
+
+class ByWorker(Counting):
+    """``Counting`` whose ids carry ``get_worker_info().id`` (a source that shards by worker, as Hugging Face's and
+    webdataset's do): ids ``1000 * worker + row``."""
+
+    def __iter__(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else -1
+        for chunk in super().__iter__():
+            yield [{"id": chunk[0]["id"] + 1000 * worker}]
+
+
+def test_each_old_writers_rows_are_read_as_that_writer_and_the_trainer_is_left_as_it_was() -> None:
+    """The writer of rank 3 of an old job of 4 ranks x 1 writer was worker 3 of 4: its rows are read seeing that
+    (read as no worker, a source that shards by worker gives other rows: -1000 + row here)."""
+    _skips, kept = rereads.fold(ByWorker(rows=10), "rank3", part({"at": 2}, keep=[0, 3], until=5), 3, 4)
+    assert ids_of(kept[0].read()) == [3002, 3005]
+    assert torch.utils.data.get_worker_info() is None, "the training process still looks like a worker"
