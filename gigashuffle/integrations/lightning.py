@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from gigashuffle import MultiprocessShuffledDataloader
 from gigashuffle.integrations.state import StatefulLoader
@@ -23,7 +25,8 @@ LoaderOrFactory = MultiprocessShuffledDataloader | Callable[[], MultiprocessShuf
 
 class GigashuffleDataModule(pl.LightningDataModule):  # type: ignore[misc,unused-ignore]
     """Serves ``loader`` (or the loader ``make_loader()`` builds, on first use in each rank) as the train loader,
-    and closes it at teardown."""
+    and closes it at teardown. It warns when the Trainer's checkpoints come only at an epoch's end, which an
+    endless loader never reaches (``no_checkpoint_before_the_end``)."""
 
     def __init__(self, loader: LoaderOrFactory) -> None:
         super().__init__()
@@ -52,11 +55,32 @@ class GigashuffleDataModule(pl.LightningDataModule):  # type: ignore[misc,unused
         self.loader  # noqa: B018 (builds it)
         if self._loader is None:
             raise AssertionError("the loader was not built")
+        if self.trainer is not None and no_checkpoint_before_the_end(self.trainer, self._loader.loader):
+            rank_zero_warn(
+                "GigashuffleDataModule: the loader has no end (DataloaderConfig.steps_per_epoch=None), so the "
+                "epoch's end never comes, and no ModelCheckpoint of this Trainer saves before it: nothing is "
+                'checkpointed before max_steps, and fit(ckpt_path="last") after a crash starts again from step 0; '
+                "add ModelCheckpoint(every_n_train_steps=N, save_last=True) to the Trainer's callbacks"
+            )
         return self._loader
 
     def teardown(self, stage: str) -> None:
         if self._loader is not None and stage == "fit":
             self._loader.loader.close()
+
+
+def no_checkpoint_before_the_end(trainer: pl.Trainer, loader: MultiprocessShuffledDataloader) -> bool:
+    """Whether ``trainer`` checkpoints (it has a ``ModelCheckpoint``), but only at epoch ends, which an endless
+    ``loader`` never reaches: Lightning's default checkpoint is such a one."""
+    if loader.config.steps_per_epoch is not None or loader.config.fill_once:
+        return False
+    checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    periodic = [
+        cb
+        for cb in checkpoints
+        if getattr(cb, "_every_n_train_steps", 0) >= 1 or getattr(cb, "_train_time_interval", None) is not None
+    ]
+    return bool(checkpoints) and not periodic
 
 
 class GigashuffleCallback(pl.Callback):  # type: ignore[misc,unused-ignore]
