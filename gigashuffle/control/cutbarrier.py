@@ -12,7 +12,11 @@ save a model); its cut number is how many times this loader did (a resumed job c
   3. ``COPIED``: this rank copied what it saves. Past it, the rank resumes its writers (none may write a slot
      before rank 0 copied it).
 Each rank records in one hash, ``cut:<generation>`` (control/keys.py), field ``<local rank>`` = ``<cut> <phase>
-<token>``, and reads the others' in the same Lua call (``lua.CUT_ARRIVE``), polling until none is missing. An entry
+<token>``, and reads the others' in the same Lua call (``lua.CUT_ARRIVE``), polling until none is missing. The cut
+number is taken first in ``state_dict()`` (``Supervisor.number_cut``), so a call that fails still counts on its
+rank. A rank's later cut counts as past the last phase of an earlier one (it left that barrier and began its next
+checkpoint); at an earlier phase a live rank at a later cut means the ranks numbered their checkpoints differently,
+and fails the cut at once (its later entries must not open this cut's barriers). An entry
 counts only while its token holds that rank's claim now, so an entry of a dead trainer or of an earlier job (one
 of the same generation whose claims lapsed and were taken over) never satisfies a barrier; the generation in the
 key keeps earlier sessions out, and the TTL (refreshed at every arrival) drops the hash once cuts stop. A rank
@@ -56,13 +60,24 @@ class NodeBarrier:
         self._where = address(self.store.client)
 
     def arrive(self, cut: int, phase: int) -> dict[int, str]:
-        """Record that this rank reached ``(cut, phase)``; the local ranks that have not, with their entries."""
+        """Record that this rank reached ``(cut, phase)``; the local ranks that have not, with their entries. A live
+        rank at a later checkpoint before the last phase raises ``CheckpointError``: the ranks numbered their
+        checkpoints differently, and waiting would let its later entries pass this cut's barriers."""
         keys = self.store.keys
         first = self.global_rank - self.local_rank
         claims = [keys.rank(first + i) for i in range(self.local_world_size)]
-        args = [self.local_rank, self.token, cut, phase, TTL_MS]
+        args = [self.local_rank, self.token, cut, phase, TTL_MS, COPIED]
         reply = run_script(self._script, [keys.cut(self.store.generation), *claims], args, self._where)
-        return {int(reply[i]): text(reply[i + 1]) for i in range(0, len(reply), 2)}
+        missing = {int(reply[i]): text(reply[i + 1]) for i in range(0, len(reply), 3)}
+        ahead = [int(reply[i]) for i in range(0, len(reply), 3) if int(reply[i + 2])]
+        if ahead:
+            where = ", ".join(f"global rank {first + r} at checkpoint {missing[r].split(' ', 1)[0]}" for r in ahead)
+            raise CheckpointError(
+                f"queue {self.queue!r} rank {self.global_rank}: this is checkpoint {cut} of this loader, but {where}: "
+                "the node's ranks called state_dict() a different number of times (every rank, writer-only ones "
+                "too, must call it at the same steps); nothing was saved"
+            )
+        return missing
 
     def wait(
         self, cut: int, phase: int, deadline: float, pump: Callable[[float], None], now: Callable[[], float]

@@ -14,7 +14,7 @@ from datasets import Counter, take
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.client import connect
-from gigashuffle.control.cutbarrier import COPIED, PAUSED, NodeBarrier
+from gigashuffle.control.cutbarrier import COPIED, LISTED, PAUSED, NodeBarrier
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 
@@ -113,3 +113,19 @@ def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_lea
     assert len(warned) == 1 and "evict_on_read=False" in warned[0], warned
     late = [r.getMessage() for r in caplog.records if "first mix" in r.getMessage()]
     assert not late, f"first_mix_wait_s=0: no writer waits, so none is late: {late}"
+
+
+def test_a_rank_at_a_later_checkpoint_before_the_last_phase_fails_the_cut_at_once(
+    node: tuple[ControlPlane, str],
+) -> None:
+    """Ranks that numbered their checkpoints differently (one called state_dict() once more) must not pass each
+    other's barriers: rank 1's entries of checkpoint 3 once satisfied every phase of rank 0's checkpoint 2. A dead
+    trainer's later entry is no such sign (it does not count at all)."""
+    store, _ = node
+    _barrier(store, 1).arrive(3, PAUSED)
+    _barrier(store, 2, token="old").arrive(7, PAUSED)  # of a trainer whose claim is gone: only missing
+    for phase in (PAUSED, LISTED):
+        with pytest.raises(CheckpointError, match=r"checkpoint 2 of this loader, but global rank 5 at checkpoint 3"):
+            _barrier(store, 0).arrive(2, phase)
+    _barrier(store, 2).arrive(2, COPIED)
+    assert _barrier(store, 0).arrive(2, COPIED) == {}, "past the last phase, a later checkpoint is a rank gone on"
