@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gigashuffle import CheckpointError
-from gigashuffle.shardcursor import fresh, to_state
+from gigashuffle.shardcursor import FORMAT_1, PIECES, fresh, owners, pieces, to_state
 from gigashuffle.sources import NpyReader, ParquetReader, PtReader, Sharded
 
 STRIDE = 1000
@@ -34,6 +35,17 @@ def _ids_reader(path: str) -> tuple[int, object]:
 
 def _source(lengths: list[int], rows: int, seed: int = 0) -> Sharded:
     return Sharded([f"{i}:{n}" for i, n in enumerate(lengths)], _ids_reader, rows, seed=seed, pass_field="pass")  # type: ignore[arg-type]
+
+
+def _state(lengths: list[int], writer: int, writers: int) -> dict[str, object]:
+    """Writer ``writer`` of ``writers`` at the start of pass 0, as its first ``state_dict()`` would say."""
+    layout = pieces(lengths)
+    return to_state(fresh(owners(layout, writers), writer), lengths, len(lengths), writer, writers)
+
+
+def _share(lengths: list[int], state: dict[str, object]) -> int:
+    layout = pieces(lengths)
+    return sum(layout[p][2] - layout[p][1] for p, _pass, _rows in state["cursor"])  # type: ignore[attr-defined]
 
 
 def _writer(lengths: list[int], rows: int, state: dict[str, object]) -> Sharded:
@@ -85,12 +97,11 @@ def test_cursors_of_any_writers_resplit_over_any_other_number_exactly(
 ) -> None:
     """Old writers read some rows (into the next pass, maybe), checkpoint, write ``skip`` rows more; the states
     re-split over ``new`` writers, which read on: passes 0 and 1 each hold every row exactly once."""
-    n = len(lengths)
     counted: list[tuple[int, int]] = []
     states, skips = [], []
     for g in range(old):
-        writer = _writer(lengths, rows, to_state(fresh(n, g, old), n, g, old))
-        share = sum(lengths[s] for s in range(g, n, old))
+        writer = _writer(lengths, rows, _state(lengths, g, old))
+        share = _share(lengths, _state(lengths, g, old))
         chunks = _chunks(writer)
         before = data.draw(st.integers(0, 2 * share // rows + 2), label=f"chunks before writer {g}'s checkpoint")
         for _ in range(before if share else 0):
@@ -102,8 +113,9 @@ def test_cursors_of_any_writers_resplit_over_any_other_number_exactly(
         skips.append(skip)
     resplit = _source(lengths, rows).reshard_states(states, skips, new)
     assert [(s["writer"], s["writers"]) for s in resplit] == [(g, new) for g in range(new)]
+    owner = owners(pieces(lengths), new)
     for g, state in enumerate(resplit):
-        assert {s for s, _p, _r in state["cursor"]} == set(range(g, n, new)), "shard s goes to writer s % new"
+        assert {s for s, _p, _r in state["cursor"]} == {p for p, o in enumerate(owner) if o == g}, "piece owners"
         for row in _rows(_writer(lengths, rows, state)):
             if row[1] > 1:
                 break
@@ -117,15 +129,17 @@ def test_cursors_of_any_writers_resplit_over_any_other_number_exactly(
 def test_bad_states_are_refused_with_what_differs() -> None:
     source = _source([3, 4], rows=2)
     with pytest.raises(CheckpointError, match="source of 3 shards but this one has 2"):
-        source.load_state_dict(to_state(fresh(3, 0, 1), 3, 0, 1))
-    with pytest.raises(CheckpointError, match=r"gigashuffle\.Sharded/1"):
+        source.load_state_dict(_state([3, 4, 5], 0, 1))
+    with pytest.raises(CheckpointError, match=r"gigashuffle\.Sharded/2"):
         source.load_state_dict({"pos": 3})
+    with pytest.raises(CheckpointError, match=r"lengths differ from the state's .*\[\(1, 8, 4\)\]"):
+        source.load_state_dict(_state([3, 8], 0, 1))
     with pytest.raises(CheckpointError, match="state 1 is writer 0's of 2"):
-        source.reshard_states([to_state(fresh(2, 0, 2), 2, 0, 2)] * 2, [0, 0], 3)
-    with pytest.raises(CheckpointError, match=r"shards \[1\] are in no writer's state"):
-        source.reshard_states([to_state(fresh(2, 0, 2), 2, 0, 2), to_state({}, 2, 1, 2)], [0, 0], 3)
+        source.reshard_states([_state([3, 4], 0, 2)] * 2, [0, 0], 3)
+    with pytest.raises(CheckpointError, match=r"pieces \[3, 4, 5, 6\] are in no writer's state"):
+        source.reshard_states([_state([3, 4], 0, 2), to_state({}, [3, 4], 2, 1, 2)], [0, 0], 3)
     with pytest.raises(CheckpointError, match="past the end"):
-        _source([0, 0], rows=2).reshard_states([to_state(fresh(2, 0, 1), 2, 0, 1)], [5], 2)
+        _source([0, 0], rows=2).reshard_states([_state([0, 0], 0, 1)], [5], 2)
     with pytest.raises(ValueError, match="rows=0"):
         Sharded(["a"], _ids_reader, rows=0)  # type: ignore[arg-type]
 
@@ -144,3 +158,70 @@ def test_ready_made_readers_read_real_files(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"column .name. .* has no tensor form"):
         pq.write_table(pa.table({"name": ["x"]}), tmp_path / "s.parquet")
         list(Sharded([tmp_path / "s.parquet"], ParquetReader(), rows=4))
+
+
+def _lockstep_rows_per_shard(lengths: list[int], writers: int, chunks: int, balance: bool = True) -> list[int]:
+    """Rows each shard delivered when ``writers`` writers read ``chunks`` chunks each, in lockstep (writers read at
+    one rate): counted, not timed."""
+    streams = []
+    for g in range(writers):
+        source = Sharded([f"{i}:{n}" for i, n in enumerate(lengths)], _ids_reader, 4, pass_field="pass",  # type: ignore[arg-type]
+                         balance=balance)  # fmt: skip
+        layout = source._layout()
+        one = to_state(fresh([0] * len(layout), 0), source._shard_lengths(), len(lengths), 0, 1)
+        source.load_state_dict(source.reshard_states([one], [0], writers)[g])
+        streams.append(_chunks(source))
+    per_shard = [0] * len(lengths)
+    for _ in range(chunks):
+        for stream in streams:
+            for row_id, _pass in next(stream):
+                per_shard[row_id // STRIDE] += 1
+    return per_shard
+
+
+def test_shards_of_1x_and_3x_rows_are_read_at_one_rate_per_row() -> None:
+    """Issue 35: shards dealt out by count read a writer's small shard three times as often per row as another's
+    large one; pieces dealt out by rows read every row at one rate (NOTE [ Balanced pieces ])."""
+    lengths = [200, 600]  # 1x and 3x rows; 2 writers of 400 rows a pass each read 4 passes of 4-row chunks
+    rates = [n / length for n, length in zip(_lockstep_rows_per_shard(lengths, 2, 400), lengths, strict=True)]
+    assert max(rates) <= 1.1 * min(rates), f"rows read per row of each shard: {rates}"
+    skewed = [n / length for n, length in zip(_lockstep_rows_per_shard(lengths, 2, 400, False), lengths, strict=True)]
+    assert max(skewed) >= 2.5 * min(skewed), f"balance=False deals whole shards: {skewed}"
+    # Six shards of uneven lengths over four writers (the issue's case): within 10% over a few passes too.
+    lengths = [270, 330, 570, 640, 260, 320]
+    counts = _lockstep_rows_per_shard(lengths, 4, 4 * sum(lengths) // 16)
+    rates = [n / length for n, length in zip(counts, lengths, strict=True)]
+    assert max(rates) <= 1.1 * min(rates), f"rows read per row of each shard: {rates}"
+
+
+def test_the_piece_layout_depends_on_the_shards_only_and_stays_small() -> None:
+    assert pieces([2, 0, 5]) == [(0, 0, 1), (0, 1, 2), (1, 0, 0), *((2, i, i + 1) for i in range(5))]
+    for lengths in ([4096, 2048], [1, 10**9, 5], [7] * 3000):
+        layout = pieces(lengths)
+        assert len(layout) <= PIECES + len(lengths), "at most PIECES pieces and one per shard more"
+        assert max(e - a for _s, a, e in layout) <= -(-sum(lengths) // PIECES)
+        ends = {s: 0 for s in range(len(lengths))}
+        for s, a, e in layout:
+            assert a == ends[s] and e > a, "each shard cut into consecutive ranges"
+            ends[s] = e
+        assert list(ends.values()) == lengths
+    for writers in range(1, 9):
+        layout = pieces([100, 300, 250, 7])
+        share = [0] * writers
+        for (_s, start, stop), g in zip(layout, owners(layout, writers), strict=True):
+            share[g] += stop - start
+        biggest = max(stop - start for _s, start, stop in layout)
+        assert max(share) - min(share) <= biggest, (writers, share)
+
+
+def test_a_state_of_the_whole_shard_format_loads_with_balance_false() -> None:
+    old = {"format": FORMAT_1, "num_shards": 2, "writer": 0, "writers": 1, "cursor": [[0, 0, 3], [1, 0, 0]]}
+    with pytest.raises(CheckpointError, match=r"resume it with Sharded\(\.\.\., balance=False\)"):
+        _source([5, 9], rows=2).load_state_dict(old)
+    whole = Sharded(["0:5", "1:9"], _ids_reader, 2, pass_field="pass", balance=False)  # type: ignore[arg-type]
+    whole.load_state_dict(old)
+    assert sorted(i for i, _p in _rows_of_pass(whole, 0)) == [3, 4, *range(STRIDE, STRIDE + 9)]
+
+
+def _rows_of_pass(source: Sharded, pass_: int) -> list[tuple[int, int]]:
+    return [row for row in itertools.takewhile(lambda r: r[1] == pass_, _rows(source))]
