@@ -41,6 +41,7 @@ from torch.utils.data import get_worker_info
 
 from gigashuffle.control import dummyrow
 from gigashuffle.errors import SchemaError
+from gigashuffle.procs import firstmix
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import NO_CONTEXT, Backoff, ChildEnv, ChildSpec, Housekeeping
 from gigashuffle.procs.firstmix import FirstMix
@@ -143,8 +144,10 @@ class _Chunks:
             dummyrow.publish_absent(env.store, env.secret, env.spec.generation, env.proc)
         deadline = time.monotonic() + _EMPTY_SHARE_GRACE_S
         published = False
+        firstmix.mark_empty_share(self.env, True)  # the node's other writers' first-mix shares grow: NOTE [ First mix ]
         while True:
             if self.env.channel.poll(_IDLE_POLL_S) and _handle_control(self.env, self):
+                firstmix.mark_empty_share(self.env, False)
                 return
             if published:
                 continue
@@ -315,7 +318,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
     chores = Housekeeping(env)
     backoff = Backoff()
     min_full = env.config.min_full_slots  # a reservation must leave that many slots to fill: NOTE [ Writer cycle ]
-    mix = FirstMix(env.config, table, env.spec.index)  # NOTE [ First mix ]
+    mix = FirstMix(env.config, table, env.spec.index, firstmix.empty_writers(env))  # NOTE [ First mix ]
     cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
     position, track = chunks.position, chunks.track

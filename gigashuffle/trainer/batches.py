@@ -16,10 +16,11 @@ import torch
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
-from gigashuffle.procs.firstmix import share
+from gigashuffle.procs.firstmix import share, stall_s
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import INDEX_KEY
+from gigashuffle.shm.counters import W_ROWS
 from gigashuffle.shm.slottable import ShuffleBufferStats
 from gigashuffle.trainer import pinning, progress
 from gigashuffle.trainer.metrics import MetricsReader
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 _SLOW_WARNING_S = 60.0
+_STALL_CHECK_S = 0.5  # how often a trainer waiting for its first batch looks for stalled writers
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
 _PENDING_PUMP_S = 0.002
 
@@ -53,7 +55,8 @@ class Batches:
         self._first_batch_seen = False
         # NOTE [ First mix ] in procs/firstmix.py; with first_mix_wait_s=0 no writer waits, so none is late.
         wait = config.first_mix_wait_s
-        self._late_writers_due = time.monotonic() + wait if wait else float("inf")
+        self._stalls = progress.StalledWriters(stall_s(config)) if wait else None
+        self._stalls_due = 0.0
 
     def check_open(self) -> None:
         if self._sup.closed:
@@ -137,9 +140,9 @@ class Batches:
     def _show_filling(self) -> None:
         if self._first_batch_seen:
             return
-        if time.monotonic() > self._late_writers_due:
-            self._late_writers_due = float("inf")
-            _log_late_writers(self._sup)
+        if self._stalls is not None and time.monotonic() >= self._stalls_due:
+            self._stalls_due = time.monotonic() + _STALL_CHECK_S
+            _log_stalled_writers(self._sup, self._stalls)
         if self._progress is None:
             cfg = self.config
             self._progress = progress.FillProgress(
@@ -219,16 +222,25 @@ def _stopped_lock_holder(sup: Supervisor) -> str:
     return f"; the node's slot-table lock is held by {describe_process(holder)}"
 
 
-def _log_late_writers(sup: Supervisor) -> None:
-    late = sup.late_writers()
-    if late:
+def _log_stalled_writers(sup: Supervisor, stalls: progress.StalledWriters) -> None:
+    """Warn of this rank's writers short of their first-mix share that wrote no row for first_mix_wait_s; slow
+    but progressing writers are no fault (NOTE [ First mix ] in procs/firstmix.py)."""
+    late = set(sup.late_writers())
+    rows = {c.index: _rows_of(c) for c in sup.writers() if c.index in late}
+    stalled = stalls.check(rows)
+    if stalled:
         cfg = sup.config
         log.warning(
-            "queue %r rank %d: writers %s have not written their share (%d rows) of the node's first mix after "
-            "%.0f s; the first batch waits for every writer's share, but a writer whose share is in waits at most "
-            "%.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
-            cfg.queue_name, cfg.global_rank, late, share(cfg), cfg.first_mix_wait_s, cfg.first_mix_wait_s,
+            "queue %r rank %d: writers %s have written no row for %.0f s and not their share (%d rows) of the "
+            "node's first mix; the first batch waits for every writer's share, but a writer whose share is in waits "
+            "at most %.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
+            cfg.queue_name, cfg.global_rank, stalled, stall_s(cfg), share(cfg), cfg.first_mix_wait_s,
         )  # fmt: skip
+
+
+def _rows_of(child: ChildProcess) -> int | None:
+    """Rows a writer took from its dataset so far (its counters page), None before it mapped one."""
+    return None if child.counters is None else int(child.counters.read()[W_ROWS])
 
 
 def _full_slots(sup: Supervisor) -> int:

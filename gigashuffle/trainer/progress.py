@@ -2,9 +2,13 @@
 
 Readers take nothing below ``min_full_slots`` full slots, so the first batch of a job can take minutes on a slow
 source; without a word the job looks hung. While the trainer waits for that batch, ``FillProgress`` logs a line
-every ``LOG_INTERVAL_S`` on the logger ``gigashuffle.trainer.progress`` (INFO) with rows, rows/s and an ETA, and draws a
-tqdm bar when stderr is a terminal and tqdm is installed. Logging is never configured here: the application's
-handlers decide where the lines go.
+``FIRST_LINE_S`` into the wait and then every ``LOG_INTERVAL_S`` on the logger ``gigashuffle.trainer.progress`` (INFO)
+with the rows in, the rows the first batch needs, rows/s and an ETA, and draws a tqdm bar when stderr is a terminal
+and tqdm is installed. Logging is never configured here: the application's handlers decide where the lines go; where
+the application configured none (Python would drop an INFO line) and no bar is drawn, the lines go to stderr as they
+are, so a job under torchrun or in a batch system is not silent while it waits. ``StalledWriters`` picks the writers
+to warn about while the first batch is late: only those that wrote no row for a while (NOTE [ First mix ] in
+procs/firstmix.py), never slow but progressing ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ log = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 5.0
 """Seconds between two progress lines (read when a ``FillProgress`` is made)."""
+FIRST_LINE_S = 1.0
+"""Seconds into the wait of the first line (a start of less shows none)."""
 _PROBE_INTERVAL_S = 0.5  # until the table is mapped a probe asks Redis; the wait loop spins far faster than this
 
 
@@ -64,11 +70,12 @@ class FillProgress:
         self._started = now
         self._first: tuple[float, int] | None = None  # (time, rows) the rate counts from
         self._next_probe = now
-        self._next_log = now + self.interval_s
+        self._next_log = now + min(FIRST_LINE_S, self.interval_s)
         self._logged = False
         self._done = False
         self._rows = 0
         stream = sys.stderr if stream is None else stream
+        self._stream: TextIO | None = stream
         self._bar = _tqdm_bar(total, f"gigashuffle {label}: filling", stream) if bar and _is_terminal(stream) else None
 
     def rate(self, now: float) -> float:
@@ -102,7 +109,7 @@ class FillProgress:
         if self._rows >= self.total:
             self.finish()
         elif now >= self._next_log:
-            log.info("%s", self.line(now))
+            self._say(self.line(now))
             self._logged = True
             self._next_log = now + self.interval_s
 
@@ -117,10 +124,46 @@ class FillProgress:
             self._bar = None
         if self._logged and reached:
             now = self.clock()
-            log.info(
-                "%s: the shuffle buffer reached %s full rows (min_mixing) after %.1f s (%s rows/s)",
-                self.label, f"{self.total:,}", now - self._started, f"{self.rate(now):,.0f}",
-            )  # fmt: skip
+            self._say(
+                f"{self.label}: the shuffle buffer reached {self.total:,} full rows (min_mixing) after "
+                f"{now - self._started:.1f} s ({self.rate(now):,.0f} rows/s)"
+            )
+
+    def _say(self, line: str) -> None:
+        """Log ``line`` at INFO; where no handler would show it and no bar is drawn, write it to stderr."""
+        log.info("%s", line)
+        if self._bar is None and not log.hasHandlers() and self._stream is not None:
+            try:
+                self._stream.write(f"gigashuffle: {line}\n")
+                self._stream.flush()
+            except (OSError, ValueError):  # a closed stderr
+                pass
+
+
+class StalledWriters:
+    """Which writers a trainer waiting for its first batch should warn about: those whose rows (``None``: not known
+    yet, as 0) have not changed for ``stall_s``, each once (NOTE [ First mix ] in procs/firstmix.py)."""
+
+    def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_s = stall_s
+        self.clock = clock
+        self._started = clock()
+        self._seen: dict[int, tuple[int, float]] = {}  # writer -> (rows, since when)
+        self._warned: set[int] = set()
+
+    def check(self, rows: dict[int, int | None]) -> list[int]:
+        """The writers of ``rows`` (writer -> rows written so far) stalled for ``stall_s`` and not warned of yet."""
+        now = self.clock()
+        out = []
+        for writer, n in sorted(rows.items()):
+            count = n or 0
+            last = self._seen.get(writer)
+            if last is None or last[0] != count:
+                self._seen[writer] = (count, self._started if last is None and count == 0 else now)
+            elif now - last[1] >= self.stall_s and writer not in self._warned:
+                self._warned.add(writer)
+                out.append(writer)
+        return out
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -39,7 +39,10 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def test_a_line_every_interval_with_rows_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_line_every_interval_with_rows_rate_and_eta(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress, "FIRST_LINE_S", 5.0)  # the first line's own time: the next test
     caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     clock, rows = Clock(), [0]
     fill = FillProgress("queue 'q' rank 0", 2000, lambda: rows[0], interval_s=5.0, clock=clock, stream=io.StringIO())
@@ -137,3 +140,23 @@ def test_the_interval_comes_from_the_module_constant(monkeypatch: pytest.MonkeyP
 )
 def test_eta_format(seconds: float, text: str) -> None:
     assert format_eta(seconds) == text
+
+
+def test_the_first_line_comes_a_second_into_the_wait_and_reaches_stderr_without_logging_configured(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, item 4: a wait of a second shows the rows in and the rows the first batch needs; with no logging
+    configured (Python would drop an INFO line) and no bar, the line goes to stderr itself."""
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
+    clock, stream = Clock(), io.StringIO()
+    fill = FillProgress("queue 'q' rank 0", 2000, lambda: 300, interval_s=5.0, clock=clock, stream=stream)
+    fill.update()
+    clock.now += progress.FIRST_LINE_S
+    fill.update()
+    (line,) = _lines(caplog)
+    assert "300/2,000 rows" in line, line
+    assert stream.getvalue() == "", "a handler shows it (caplog's): nothing on stderr twice"
+    monkeypatch.setattr(progress.log, "hasHandlers", lambda: False)
+    clock.now += 5.0
+    fill.update()
+    assert stream.getvalue().startswith("gigashuffle: queue 'q' rank 0: filling the shuffle buffer: 300/2,000 rows")
