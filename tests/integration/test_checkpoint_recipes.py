@@ -2,7 +2,7 @@
 test_checkpoint_exact.py (checkpoint, read on, SIGKILL, resume in a new process; a last segment drains) over
 
 * the Hugging Face recipe: ``Chunked(load_dataset("parquet", ..., streaming=True).with_format("torch"), ...)`` over
-  4 parquet shards for 2 writers (its state is the IterableDataset's own: NOTE [ Chunked state ] in sources.py);
+  4 parquet shards for 2 writers (its state is the IterableDataset's own: NOTE [ Chunked state ] in sources/chunked.py);
 * the webdataset recipe: ``Sharded(tar shards, TarReader(transform=...), ...)`` over 4 tar shards (its state is a
   shard cursor: NOTE [ Tar shards ] in tarshards.py, NOTE [ Shard cursor ]).
 

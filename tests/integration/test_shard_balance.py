@@ -1,7 +1,7 @@
-"""Shards of different lengths read at one rate per row through a real loader (issue 35, item 3; NOTE [ Balanced
-pieces ] in gigashuffle/shardcursor.py). Counted, not timed: with ``fill_once`` and the first-mix cap (NOTE [ First
-mix ]) each of the 2 writers puts exactly its first half-buffer of rows into the one pass, so the pass holds each
-writer's first 128 rows of its stream."""
+"""Shards of different lengths read at one rate per row through a real loader (issue 35, item 3; NOTE
+[ Balanced pieces ] in gigashuffle/sources/shardcursor.py). Counted, not timed: with ``fill_once`` and the first-mix
+cap (NOTE [ First mix ]) each of the 2 writers puts exactly its first half-buffer of rows into the one pass, so the
+pass holds each writer's first 128 rows of its stream."""
 
 from __future__ import annotations
 

@@ -368,7 +368,7 @@ def test_the_light_parser_knows_every_workload() -> None:
 
 
 def test_elastic_bench_shards_hold_every_id_once_and_its_row_names_each_value(tmp_path: Path) -> None:
-    from gigashuffle.shards import PtReader
+    from gigashuffle.sources.shards import PtReader
     from gigashuffle.tools.bench import elastic
 
     paths = elastic.make_shards(tmp_path, shards=3, rows=5)

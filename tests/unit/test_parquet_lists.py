@@ -1,4 +1,4 @@
-"""``ParquetReader`` over list columns (NOTE [ Parquet list columns ] in gigashuffle/parquetshards.py): a list
+"""``ParquetReader`` over list columns (NOTE [ Parquet list columns ] in gigashuffle/sources/parquetshards.py): a list
 column whose rows all have one length is a tensor field, as pandas writes one; a row of another length, a null list
 and a null value are refused naming the column, the shard and the row. Real parquet files, written by pandas and
 pyarrow, read through ``Sharded`` as a writer reads them; and the docs' snippet for writing them, run verbatim."""

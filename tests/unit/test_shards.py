@@ -1,5 +1,5 @@
 """``sources.Sharded``: every row once per pass, and cursors that merge and re-split over any number of writers
-(NOTE [ Shard cursor ] in gigashuffle/shardcursor.py), with real shard files for the ready-made readers."""
+(NOTE [ Shard cursor ] in gigashuffle/sources/shardcursor.py), with real shard files for the ready-made readers."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gigashuffle import CheckpointError
-from gigashuffle.shardcursor import FORMAT_1, PIECES, fresh, owners, pieces, to_state
 from gigashuffle.sources import NpyReader, ParquetReader, PtReader, Sharded
+from gigashuffle.sources.shardcursor import FORMAT_1, PIECES, fresh, owners, pieces, to_state
 
 STRIDE = 1000
 

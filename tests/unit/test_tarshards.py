@@ -16,7 +16,7 @@ import webdataset as wds
 
 from gigashuffle import CheckpointError
 from gigashuffle.sources import Chunked, Sharded, TarReader, missing_state_methods
-from gigashuffle.tarshards import index
+from gigashuffle.sources.tarshards import index
 
 
 def _npy(value: Any) -> bytes:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.shards import PtReader, Sharded
+from gigashuffle.sources.shards import PtReader, Sharded
 from gigashuffle.trainer.datasetstate import rank_key
 
 _BS, _CHUNK = 1024, 1024

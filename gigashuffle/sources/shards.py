@@ -2,13 +2,13 @@
 
 :class:`Sharded` reads shards (local files) through a reader: ``reader(path) -> (rows, read)`` where ``read(start,
 stop)`` returns rows ``[start, stop)`` of the shard as a chunk, ``list[dict[str, Tensor]]``. Ready-made readers:
-:class:`gigashuffle.parquetshards.ParquetReader` (pyarrow, row group by row group), :class:`NpyReader` (a ``.npy``
-array, memory-mapped) and :class:`PtReader` (a ``.pt`` dict of tensors); :class:`gigashuffle.tarshards.TarReader`
-reads webdataset tar shards (NOTE [ Tar shards ]). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
+``ParquetReader`` (pyarrow, row group by row group: sources/parquetshards.py), :class:`NpyReader` (a ``.npy`` array,
+memory-mapped) and :class:`PtReader` (a ``.pt`` dict of tensors); ``TarReader`` reads webdataset tar shards
+(NOTE [ Tar shards ] in sources/tarshards.py). Writer ``g`` of the job's ``G`` (``get_worker_info()``: every writer
 of every rank, NOTE [ Splitting a source ]) reads its ``1 / G`` of the rows: the shards are cut into row ranges
 (pieces) dealt out by rows, so that shards of different lengths are read at one rate per row (NOTE [ Balanced
-pieces ] in gigashuffle/shardcursor.py; ``balance=False``: whole shards, ``s % G == g``), in chunks of ``rows`` rows
-within one piece. The source is finite: each ``iter()`` is one pass, every row once, and the next ``iter()`` is the
+pieces ] in sources/shardcursor.py; ``balance=False``: whole shards, ``s % G == g``), in chunks of ``rows`` rows
+within one shard. The source is finite: each ``iter()`` is one pass, every row once, and the next ``iter()`` is the
 next pass. Its state is a cursor per piece (NOTE [ Shard cursor ]) with the pass number in it;
 :meth:`Sharded.reshard_states` re-splits the states of a checkpoint over another number of writers, which is how
 ``load_state_dict()`` resumes a checkpoint on another world size or ``num_writers`` (NOTE [ Elastic resume ] in
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from gigashuffle import shardcursor
 from gigashuffle.errors import CheckpointError
+from gigashuffle.sources import shardcursor
 
 Chunk = list[dict[str, torch.Tensor]]
 ReadRows = Callable[[int, int], Chunk]

@@ -1,5 +1,4 @@
-"""Parquet shards for :class:`gigashuffle.shards.Sharded`: :class:`ParquetReader` reads them with pyarrow, a row
-group at a time, into tensors.
+"""Parquet shards for ``Sharded``: :class:`ParquetReader` reads them with pyarrow, a row group at a time, into tensors.
 
 NOTE [ Parquet list columns ]
 A row field is a tensor of one shape for every row (the buffer's layout is fixed by the first chunk). Numeric and

@@ -1,7 +1,7 @@
 """Per-sample dicts stacked into a chunk: the one place that knows which sample values have a tensor form.
 
-Used by :class:`gigashuffle.sources.Chunked` (samples from a source) and :class:`gigashuffle.tarshards.TarReader`
-(samples from a tar shard); ``who`` names the caller in errors.
+Used by :class:`gigashuffle.sources.Chunked` (samples from a source) and
+:class:`gigashuffle.sources.tarshards.TarReader` (samples from a tar shard); ``who`` names the caller in errors.
 """
 
 from __future__ import annotations

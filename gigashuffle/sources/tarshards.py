@@ -1,4 +1,4 @@
-"""Webdataset tar shards for :class:`gigashuffle.shards.Sharded`, read with the standard library's ``tarfile`` only.
+"""Webdataset tar shards for ``Sharded``, read with the standard library's ``tarfile`` only.
 
 NOTE [ Tar shards ]
 A webdataset shard is an uncompressed tar file whose members group into samples by key, as webdataset groups them:
@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from gigashuffle.stacking import Chunk, default_fields, stack
+from gigashuffle.sources.stacking import Chunk, default_fields, stack
 
 Member = tuple[str, str, int, int]  # (member name, extension, offset of its data, size)
 Sample = tuple[str, list[Member]]  # (key, its members)
@@ -42,7 +42,7 @@ _JSONS = frozenset({"json", "jsn"})
 
 
 class TarReader:
-    """Reads webdataset tar shards for :class:`~gigashuffle.shards.Sharded`: one row per sample (NOTE [ Tar
+    """Reads webdataset tar shards for :class:`~gigashuffle.sources.shards.Sharded`: one row per sample (NOTE [ Tar
     shards ]). ``transform`` maps a sample dict to the row's fields; ``fields`` picks which fields to stack."""
 
     def __init__(

@@ -1,9 +1,9 @@
 """Per-sample sources (Hugging Face ``datasets``, webdataset, any iterable of dicts) as gigashuffle datasets.
 
 A gigashuffle dataset yields chunks, ``list[dict[str, Tensor]]``; most sources yield one sample (a dict) at a time.
-:class:`Chunked` groups their samples into chunks of ``rows`` rows, stacking each field. :class:`Sharded` (from
-gigashuffle/shards.py) reads a list of shard files in chunks, with checkpoints that resume on another world size or
-``num_writers``.
+:class:`Chunked` groups their samples into chunks of ``rows`` rows, stacking each field. ``Sharded`` (from
+gigashuffle/sources/shards.py) reads a list of shard files in chunks, with checkpoints that resume on another world
+size or ``num_writers``.
 
 NOTE [ Splitting a source ]
 Writers see a job-wide ``torch.utils.data.get_worker_info()`` (``id`` over every writer of every rank), and both
@@ -24,15 +24,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gigashuffle.errors import CheckpointError
-from gigashuffle.parquetshards import ParquetReader
-from gigashuffle.shards import NpyReader, PtReader, Sharded
-from gigashuffle.sourcechecks import has_state, node_split_of, shuffle_buffer_of, stages_named, why_stateless
-from gigashuffle.stacking import Chunk, default_fields, stack
-from gigashuffle.tarshards import TarReader
-
-__all__ = [
-    "Chunk", "Chunked", "NpyReader", "ParquetReader", "PtReader", "Sharded", "TarReader", "chunks", "reshard_of",
-]  # fmt: skip
+from gigashuffle.sources.sourcechecks import has_state, node_split_of, shuffle_buffer_of, stages_named, why_stateless
+from gigashuffle.sources.stacking import Chunk, default_fields, stack
 
 
 def chunks(samples: Iterable[Mapping[str, Any]], rows: int, fields: Sequence[str] | None = None) -> Iterator[Chunk]:

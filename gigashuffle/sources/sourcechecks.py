@@ -1,5 +1,7 @@
-"""What gigashuffle can tell about a per-sample source (Hugging Face ``datasets``, webdataset) without reading it:
-whether it is already split by node, and whether its state resumes it, and if not, why and what to use instead."""
+"""What gigashuffle can tell about a per-sample source without reading it: its node split, whether its state resumes.
+
+The sources are Hugging Face ``datasets`` and webdataset pipelines; where a state does not resume, the checks say why
+and what to use instead."""
 
 from __future__ import annotations
 

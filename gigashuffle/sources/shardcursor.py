@@ -1,4 +1,4 @@
-"""Where a :class:`gigashuffle.shards.Sharded` source is in its shards: a cursor that splits over any number of writers.
+"""Where a ``Sharded`` source is in its shards: a cursor that merges and splits over any number of writers.
 
 NOTE [ Shard cursor ]
 The cursor maps each piece a writer owns to ``(pass, rows)``: the pass that piece is in and how many of its rows that
@@ -136,7 +136,8 @@ def from_state(
     if fmt == FORMAT_1 and not whole_shards(layout, num_shards):
         raise CheckpointError(
             f"Sharded.load_state_dict: the state is of {FORMAT_1!r}, whose writers own whole shards, but this source "
-            f"cuts its shards into {len(layout)} pieces (NOTE [ Balanced pieces ] in gigashuffle/shardcursor.py); "
+            f"cuts its shards into {len(layout)} pieces (NOTE [ Balanced pieces ] in "
+            "gigashuffle/sources/shardcursor.py); "
             "resume it with Sharded(..., balance=False)"
         )
     theirs = state.get("lengths")
