@@ -73,7 +73,12 @@ class GigashuffleTrainer(Trainer):  # type: ignore[misc,unused-ignore]  # Any wh
         if resume_from_checkpoint is True:  # the Trainer's own rule, applied early to load the loader's state
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call,unused-ignore]
             if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                    "train(resume_from_checkpoint=True) needs one, and a first run has none; in a script that may be "
+                    "the first run, pass transformers.trainer_utils.get_last_checkpoint(output_dir) when output_dir "
+                    "exists, else None (README, Training frameworks)"
+                )
         if isinstance(resume_from_checkpoint, str):
             load_loader_state(self.gigashuffle_loader, resume_from_checkpoint)
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
