@@ -8,8 +8,11 @@ A segment builds the loader, loads ``--resume`` right after construction, reads 
 id and pass to ``<out>.rank<r>.before``, takes ``loader.gathered_state_dict()`` (every rank at the same step) into
 ``--save``, reads ``--after`` more batches (not counted) and SIGKILLs itself. ``--kill-reader-at N`` SIGKILLs this
 rank's reader 0 after N batches; ``--late-s S`` calls ``state_dict()`` S seconds after the other ranks (a slower step),
-its writers and readers running meanwhile. ``--before 0 --counted F --drain-past P``: the last segment, reading until
-every id of pass 0 not in ``F`` came to some rank, then ``P`` rows more across the job; everything it reads counts.
+its writers and readers running meanwhile. With ``--read-until F`` it instead reads on (and counts) batches until
+the file ``F`` exists (local rank 0 creates it in its cut: a fail point's marker), then S seconds more, and removes
+``F``.
+``--before 0 --counted F --drain-past P``: the last segment, reading until every id of pass 0 not in ``F`` came to
+some rank, then ``P`` rows more across the job; everything it reads counts.
 
 It only uses the public API, so the same file measures the code of another checkout (``PYTHONPATH``).
 """
@@ -44,6 +47,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--counted", default="")
     p.add_argument("--kill-reader-at", type=int, default=-1)
     p.add_argument("--late-s", type=float, default=0.0, help="a slow step: call state_dict() this much later")
+    p.add_argument("--read-until", default="", help="read (and count) batches until this file exists, then --late-s")
     p.add_argument("--ids", type=int, default=500)
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--bs", type=int, default=8)
@@ -96,9 +100,18 @@ def main() -> None:
                 os.kill(loader.child_pids()["reader"][0], signal.SIGKILL)
             for i, ps in _record(next(it)):
                 before.write(f"{i} {ps}\n")
+        if args.read_until:  # this rank's readers draw while local rank 0 is in its cut
+            marker, late_until = Path(args.read_until), time.monotonic() + args.max_seconds
+            while time.monotonic() < late_until:
+                if marker.exists() and late_until > time.monotonic() + args.late_s:
+                    late_until = time.monotonic() + args.late_s
+                for i, ps in _record(next(it)):
+                    before.write(f"{i} {ps}\n")
+            marker.unlink(missing_ok=True)
         before.flush()
         os.fsync(before.fileno())
-    time.sleep(args.late_s)  # a step slower than the other ranks': the node's other ranks wait at the barrier
+    if not args.read_until:
+        time.sleep(args.late_s)  # a step slower than the other ranks': the node's other ranks wait at the barrier
     state = loader.gathered_state_dict()
     if args.rank == 0:
         torch.save(state, args.save + ".tmp")

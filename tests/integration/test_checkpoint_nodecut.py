@@ -80,10 +80,12 @@ def run_scenario(
     retry_segment: int = -1,
     failpoints: dict[int, str] | None = None,
     way: str = "saved",
+    read_until: str = "",
 ) -> tuple[int, int, int]:
     """(lost, twice, counted) over the ids of pass 0. ``retry_segment``: that segment runs twice from the same
     checkpoint; the first run's rows and checkpoint are dropped (a job that crashed before its next checkpoint).
-    ``way``: DataloaderConfig.checkpoint_rows."""
+    ``way``: DataloaderConfig.checkpoint_rows; ``read_until``: the late rank reads on (counted) until that file
+    exists, then 0.3 s more."""
     ckpt, queue = "", f"nodecut-{uuid.uuid4().hex[:8]}"
     counted: list[tuple[int, int]] = []
     for seg in range(3):
@@ -91,7 +93,8 @@ def run_scenario(
             save, out = tmp / f"ckpt{seg}.{attempt}.pt", tmp / f"seg{seg}.{attempt}"
             # The last rank takes each checkpoint a little after the others (as a slower step would), its writers
             # and readers running while the others wait; in one segment its reader 0 is killed.
-            late = {world - 1: ["--late-s", "0.3", *(["--kill-reader-at", "10"] if seg == kill_reader_in else [])]}
+            kill = ["--kill-reader-at", "10"] if seg == kill_reader_in else []
+            late = {world - 1: ["--late-s", "0.3", *kill, *(["--read-until", read_until] if read_until else [])]}
             log = _segment(redis_url, queue, out, world, local_world, "--before", "24", "--after", "10", "--save",
                            str(save), "--way", way, *(["--resume", ckpt] if ckpt else []), per_rank=late,
                            failpoints=failpoints)  # fmt: skip
@@ -127,6 +130,20 @@ def test_two_ranks_of_one_node_resume_every_row_once_past_a_slow_cut_a_killed_re
     slow_cut = {0: f"cut.before_buffer_list=1:sleep=0.5:{listed},cut.before_buffer_copy=1:sleep=0.5:{copied}"}
     lost_twice = run_scenario(redis_url, tmp_path, way=way, failpoints=slow_cut, kill_reader_in=1, retry_segment=1)
     assert listed.exists() and copied.exists(), "a slow step of the cut never ran: the test checked no wait"
+    assert lost_twice[:2] == (0, 0)
+
+
+@pytest.mark.parametrize("way", ["saved", "positions"])
+def test_a_rank_that_reads_on_while_the_other_is_in_its_cut_delivers_nothing_the_cut_saves(
+    redis_url: str, tmp_path: Path, way: str
+) -> None:
+    """The last rank reads on (and counts what it reads) until local rank 0 is in its cut (it asked its readers to
+    pause: a fail point's marker), then 0.3 s more: rank 0 must wait at PAUSED before it lists the node's buffer, or
+    it lists while the late rank's readers draw and its writers write (rows it delivers saved too, or rows written
+    after the listing saved by nobody). In the other scenario the late rank sleeps with a full ring: nothing moves."""
+    in_cut = tmp_path / "rank0-in-cut"
+    asked = {0: f"cut.readers_asked=1:sleep=0.001:{in_cut}"}
+    lost_twice = run_scenario(redis_url, tmp_path, way=way, failpoints=asked, read_until=str(in_cut))
     assert lost_twice[:2] == (0, 0)
 
 
