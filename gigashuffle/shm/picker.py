@@ -1,8 +1,10 @@
 """Which slots a transition takes: the empty ones a writer fills next, the full ones a reader draws.
 
-Both searches run under the node lock (see NOTE [ Slot table ] in shm/slottable.py) on the shared ``state`` array,
-a few times per chunk and batch, so neither sorts nor passes over the whole table in the usual case. What they
-keep between calls (a cursor, a random generator, a scratch array) is private to the process.
+Both searches read the shared ``state`` array a few times per chunk and batch, so neither sorts nor passes over the
+whole table in the usual case. Both run before the node lock is taken, on states that may change meanwhile, and
+the transition checks their result under it (NOTE [ Node lock budget ] in shm/slottable.py): a writer's search
+for empty slots, and a reader's random candidates. What they keep between calls (a cursor, a random generator, a
+scratch array) is private to the process.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ class SlotPicker:
         if not 0 < slots < 2**31:
             raise ValueError(f"a slot table holds 1 to 2**31 - 1 slots, got slots={slots}")
         self._reject_below = np.uint64(2**32 % slots)  # see _uniform_ids
+
+    @property
+    def cursor(self) -> int:
+        """Where the next search for empty slots starts: a caller that discards a search's result (its slots were
+        taken meanwhile) sets it back, so that the search it makes instead starts where the discarded one did."""
+        return self._cursor
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self._cursor = value
 
     def first_empty(self, state: States, empty: int, n: int) -> SlotIds:
         """Up to ``n`` of the ``empty`` empty slots, the first found scanning forward from where the last search
@@ -73,15 +85,21 @@ class SlotPicker:
         self._cursor = int(ids[-1]) + 1
         return ids
 
-    def candidates(self, n: int, full: int, min_full: int = 0) -> SlotIds:
+    def candidates(self, n: int, full: int, min_full: int = 0, state: States | None = None) -> SlotIds:
         """Distinct uniformly random slot ids in random order, as many as hold ``n`` of ``full`` full slots on
         average; none where the draw would take nothing (fewer than ``max(n, min_full)`` full: a reader polling a
         buffer that is still filling) or would list the full slots instead. Drawn before the node lock is taken
         (NOTE [ Node lock budget ] in shm/slottable.py): ``full`` is the header's count read without it, and
-        ``sample_full`` checks the candidates' states under it, drawing more if they fall short."""
+        ``sample_full`` checks the candidates' states under it, drawing more if they fall short. With ``state``,
+        only the ones full in it now are kept (in their order), so that under the lock the first ``n`` are
+        usually all still full and one check of their states is all the draw does there."""
         if n <= 0 or full < max(n, min_full, _SCAN_BELOW * self.slots):
             return NO_IDS
-        return self._distinct(self._uniform_ids(self._draws_for(n, full, full)))
+        ids = self._distinct(self._uniform_ids(self._draws_for(n, full, full)))
+        if state is None:
+            return ids
+        kept: SlotIds = ids.compress(state.take(ids) == FULL)
+        return kept
 
     def _distinct(self, ids: SlotIds) -> SlotIds:
         """``ids`` without repeats, in their order. Which copy of a repeat survives depends only on positions in
@@ -105,8 +123,21 @@ class SlotPicker:
         # distinct slots as are still wanted, plus 5% (``_draws_for``): one round per draw at 1/2 to 1/1 full for
         # 1,024 to 8,192 slots of 65,536, measured; drawing a fixed 1.25x the wanted ones took 3 rounds for 8,192
         # slots at 1/2 full, and each round re-checks the ones taken. The first round is usually ``candidates``,
-        # drawn and freed of repeats before the lock was taken: only the check of their states is left here.
-        taken = candidates.compress(state.take(candidates) == FULL)[:n] if len(candidates) else NO_IDS
+        # drawn, freed of repeats and (from a reader) kept only where full before the lock was taken: here the
+        # first n are checked, and if one of them is no longer full, the rest of the candidates in their order.
+        # Either way the draw is the first n candidates full now, a uniform random sequence's; a slot that became
+        # full since the candidates were checked (a commit meanwhile) waits for the next draw, like one
+        # committed a moment after this draw.
+        taken = NO_IDS
+        if len(candidates):
+            head = candidates[:n]
+            ok = state.take(head) == FULL
+            if len(head) == n and np.count_nonzero(ok) == n:  # count_nonzero: a fifth of ok.all()'s call cost
+                return head
+            taken = head.compress(ok)
+            rest = candidates[n:]
+            if len(rest):
+                taken = np.concatenate([taken, rest.compress(state.take(rest) == FULL)])[:n]
         rounds = 0
         while len(taken) < n:
             rounds += 1

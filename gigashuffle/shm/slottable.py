@@ -30,10 +30,11 @@ the op's slot ids (``take``/``compress`` rather than fancy and boolean indexing,
 never a sort and never a pass over the whole table. ``acquire_empty`` scans forward from where this process's
 last search stopped, in windows sized from the count of empty slots, so it usually finds its slots in one numpy
 call over about ``1.5 * n / (fraction empty)`` states (each further window doubles); ``draw_full`` samples by
-rejection (both in shm/picker.py). The hot ops take the lock with ``_acquire``/``_release`` rather than the
-generator context manager ``_locked`` (a few microseconds per use); a reader returns a batch and draws the next
-under one hold (``release_and_draw``), and a writer publishes a chunk and reserves the slots of the next under one
-(``commit_and_acquire``; ``give_back`` returns a reservation).
+rejection (both in shm/picker.py). Both searches run before the lock is taken, and under it the transition only
+checks their result (NOTE [ Node lock budget ]). The hot ops take the lock with ``_acquire``/``_release`` rather
+than the generator context manager ``_locked`` (a few microseconds per use); a reader returns a batch and draws
+the next under one hold (``release_and_draw``), and a writer publishes a chunk and reserves the slots of the next
+under one (``commit_and_acquire``; ``give_back`` returns a reservation).
 
 NOTE [ Node lock budget ]
 Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
@@ -41,18 +42,28 @@ the node's time that no other transition can run in, and a node with any number 
 1 / (busy share) times the rate that share was measured at. The header totals every process's holds and their
 time (``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
 window. So whatever does not need the table's state is done outside the lock:
-- a reader draws its random candidate ids and drops repeats before it takes the lock (``SlotPicker.candidates``,
-  sized from the count of full slots read without the lock); under it only their states are checked, and more
-  are drawn if they fall short (the table changed meanwhile);
+- a reader draws its random candidate ids, drops repeats and keeps the ones full now before it takes the lock
+  (``SlotPicker.candidates``, sized from the count of full slots read without the lock); under it the states of
+  the first ``n`` are checked once, and only if one of them is no longer full are the others checked and more
+  drawn (the table changed meanwhile);
+- a writer searches for its empty slots before it takes the lock (``first_empty`` from its cursor, sized from the
+  count of empty slots read without it); under it one gather of their states checks that all are still empty,
+  which they are unless another writer took one meanwhile (only an acquire moves a slot out of empty), and
+  only then does the search run again, under the lock, from the same cursor (``_take_empty``);
 - a drawn slot's version is read after the lock is released (``_versions_of_drawn``);
 - a process checks that it still holds the slots it commits or releases before it takes the lock (``_held``:
   while it lives, nobody else moves them out of writing or reading);
 - an acquire only moves the version clock (journaled); the writer stamps the new versions on its reserved slots
-  after the release (``_stamp_versions``), so a commit just marks its slots full.
-Today (docs/benchmarks.md, "Work moved out of the node lock", measured with ``python -m
-gigashuffle.tools.bench.runner --workload W --seconds 3 --no-baselines`` on the 2-core VM) the lock is 23-26% busy
-with 1 writer + 1 reader on tiny rows (mean hold 45-62 us), 9.5-10% on token rows (17-22 us) and about 5% on image
-rows: the bound is about 4x the 1 + 1 rate for tiny rows and 10x for token rows.
+  after the release (``_stamp_versions``), so a commit just marks its slots full;
+- the journal reads and writes the header's words through a memoryview (shm/journal.py), a third of a numpy
+  scalar access each, about fifteen per op.
+Today (docs/benchmarks.md, "The node lock guards only the transition", measured with ``python -m
+gigashuffle.tools.bench.runner --workload W --seconds 5 --no-baselines --writers 1 --readers 1`` on the 2-core
+VM) the lock is held 12-14 ns per delivered row on tiny rows (mean hold 13 us) and 104-134 ns on token rows
+(6-7 us): a ceiling of about 75-85M and 7.5-9.6M rows/s whatever the node's cores. What is left under it is the
+transitions' own stores (the journal's ids, the states and holders of the op's slots, the header's words) and a
+reader's one check of its candidates' states; on token rows a reader's hold is three fixed costs of about 1.4 us
+(release, check, draw) per 64-row batch.
 """
 
 from __future__ import annotations
@@ -111,7 +122,7 @@ class SlotTable(SlotMap):
             for other in states[1:]:
                 in_state |= now == other
         in_state &= self.holder.take(given) == pid
-        if in_state.all():  # the usual case: skip the copy
+        if np.count_nonzero(in_state) == len(given):  # the usual case: skip the copy (count_nonzero: not .all())
             return given
         mine: SlotIds = given.compress(in_state)
         return mine
@@ -119,17 +130,32 @@ class SlotTable(SlotMap):
     # -- writers ---------------------------------------------------------------------------------------------
     def acquire_empty(self, pid: int, n: int) -> SlotIds:
         """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
+        words = self._journal.words
+        cursor = self._picker.cursor
+        found = self._picker.first_empty(self.state, words[H_EMPTY], n)  # before the lock: _take_empty
         self._acquire()
         try:
             if pid not in self._holders.known:
                 self._register(pid)
-            ids = self._picker.first_empty(self.state, int(self._header[H_EMPTY]), n)
-            self._journal.commit(OP_ACQUIRE, pid, ids, -1, int(self._header[H_EMPTY]) - len(ids))
-            clock = int(self._header[H_CLOCK])
+            empty = words[H_EMPTY]
+            ids = self._take_empty(n, empty, found, cursor)
+            self._journal.commit(OP_ACQUIRE, pid, ids, -1, empty - len(ids))
+            clock = words[H_CLOCK]
         finally:
             self._release()
         self._stamp_versions(pid, ids, clock)
         return ids
+
+    def _take_empty(self, n: int, empty: int, found: SlotIds, cursor: int) -> SlotIds:
+        """Under the lock: ``min(n, empty)`` empty slots. ``found`` is the search made before the lock from
+        ``cursor`` (NOTE [ Node lock budget ]): between it and the lock, a slot leaves ``empty`` only when another
+        writer acquires it, so if ``found`` has as many slots as are wanted and every one is still empty (one
+        gather of states; empty is 0), they are taken as they are; otherwise the search runs again from
+        ``cursor``, as it did under the lock before."""
+        if len(found) == min(n, empty) and not np.count_nonzero(self.state.take(found)):
+            return found
+        self._picker.cursor = cursor
+        return self._picker.first_empty(self.state, empty, n)
 
     def commit_written(self, pid: int, ids: npt.ArrayLike, lane: int = NO_LANE) -> int:
         """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held.
@@ -152,16 +178,26 @@ class SlotTable(SlotMap):
         waits must not keep the buffer from reaching the readers' threshold (with fill_once, every slot).
         Returns how many slots it still held, and the new ones."""
         mine = self._held(pid, ids, (WRITING,))
+        words, picker = self._journal.words, self._picker
+        cursor = picker.cursor
+        # The search before the lock (NOTE [ Node lock budget ]), where the counts read without it say that the
+        # reservation will be made: a writer polling a full buffer searches nothing.
+        empty = words[H_EMPTY]
+        likely = 0 < n <= empty and words[H_FULL] + len(mine) + empty - n >= min_full
+        found = picker.first_empty(self.state, empty, n) if likely else NO_IDS
         self._acquire()
         try:
             if pid not in self._holders.known:
                 self._register(pid)
             self._commit_written(pid, mine, lane)
-            empty = int(self._header[H_EMPTY])
-            room = int(self._header[H_FULL]) + empty - n >= min_full
-            fresh = self._picker.first_empty(self.state, empty, n) if 0 < n <= empty and room else NO_IDS
+            empty = words[H_EMPTY]
+            room = words[H_FULL] + empty - n >= min_full
+            if 0 < n <= empty and room:
+                fresh = self._take_empty(n, empty, found, cursor)
+            else:
+                fresh, picker.cursor = NO_IDS, cursor
             self._journal.commit(OP_ACQUIRE, pid, fresh, -1, empty - len(fresh))
-            clock = int(self._header[H_CLOCK])
+            clock = words[H_CLOCK]
         finally:
             self._release()
         self._stamp_versions(pid, fresh, clock)
@@ -175,17 +211,17 @@ class SlotTable(SlotMap):
         # Its pid goes with them, for the readers' count of writers per batch (a figure only: nothing depends on it).
         if len(ids):
             self.version[ids] = np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64)
-            self.writer.put(ids, pid)
+            self.writer[ids] = pid  # fancy assignment, not put(): a third of the cost at these sizes
 
     def _commit_written(self, pid: int, mine: SlotIds, lane: int) -> None:
-        self._journal.commit(OP_COMMIT, pid, mine, int(self._header[H_FULL]) + len(mine), -1, lane, len(mine))
+        self._journal.commit(OP_COMMIT, pid, mine, self._journal.words[H_FULL] + len(mine), -1, lane, len(mine))
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
         """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
         mine = self._held(pid, ids, (WRITING,))
         self._acquire()
         try:
-            self._journal.commit(OP_GIVE_BACK, pid, mine, -1, int(self._header[H_EMPTY]) + len(mine))
+            self._journal.commit(OP_GIVE_BACK, pid, mine, -1, self._journal.words[H_EMPTY] + len(mine))
         finally:
             self._release()
         return len(mine)
@@ -194,7 +230,7 @@ class SlotTable(SlotMap):
     def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
         """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
         than ``max(n, min_full)`` slots are full."""
-        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
+        candidates = self._picker.candidates(n, self._journal.words[H_FULL], min_full, self.state)
         self._acquire()
         try:
             ids = self._draw(pid, n, min_full, candidates)
@@ -203,7 +239,7 @@ class SlotTable(SlotMap):
         return ids, self._versions_of_drawn(ids)
 
     def _draw(self, pid: int, n: int, min_full: int, candidates: SlotIds) -> SlotIds:
-        full = int(self._header[H_FULL])
+        full = self._journal.words[H_FULL]
         if n <= 0 or full < max(n, min_full):
             return NO_IDS
         if pid not in self._holders.known:
@@ -243,7 +279,7 @@ class SlotTable(SlotMap):
         """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
         ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
         mine = self._held(pid, ids, (READING, READING_EVICT))
-        candidates = self._picker.candidates(n, int(self._header[H_FULL]), min_full)
+        candidates = self._picker.candidates(n, self._journal.words[H_FULL], min_full, self.state)
         self._acquire()
         try:
             self._release_read(pid, mine, evict, lane, batches)
@@ -253,12 +289,13 @@ class SlotTable(SlotMap):
         return len(mine), drawn, self._versions_of_drawn(drawn)
 
     def _release_read(self, pid: int, mine: SlotIds, evict: bool, lane: int, batches: int) -> None:
-        empty = int(self._header[H_EMPTY])
+        words = self._journal.words
+        empty = words[H_EMPTY]
         if evict:
             self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine), lane, batches)
         else:  # slots evict() marked meanwhile become empty, the others full again
             back = int(np.count_nonzero(self.state.take(mine) == READING))
-            full = int(self._header[H_FULL]) + back
+            full = words[H_FULL] + back
             self._journal.commit(OP_RELEASE_KEEP, pid, mine, full, empty + len(mine) - back, lane, batches)
 
     def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:

@@ -231,6 +231,8 @@ def _fake_result() -> runner.Result:
         "lock_busy": 0.375,
         "lock_hold_us": 41.5,
         "lock_holds_per_batch": 0.75,
+        "lock_ns_per_row": 62.5,
+        "lock_ceiling_rows_per_s": 16_000_000.0,
         "quality": qual,
         "children": [{"role": "writer", "pid": 1, "uss": 1 << 20, "pss": 1 << 20, "shared": 1 << 21}],
     }
@@ -273,7 +275,7 @@ def test_format_table_has_every_section() -> None:
     cpu_row = next(line for line in table.splitlines() if line.startswith("small") and "7.50x" in line)
     assert cpu_row.split()[1:7] == ["1.00", "2.00", "0.50", "0.00", "0.25", "3.75"], cpu_row  # all/floor = 3.75/0.5
     lock_lines = table.split("node lock over the timed window")[1].splitlines()
-    assert lock_lines[2].split() == ["small", "37.5", "41.5", "0.75"], lock_lines
+    assert lock_lines[2].split() == ["small", "37.5", "41.5", "0.75", "62.5", "16,000,000"], lock_lines
     shaped_lines = table.split("copy floor in the loader's shape")[1].splitlines()
     assert shaped_lines[2].split() == ["small", "2w+2r", "x1", "20", "0.50", "0.75", "0.25", "1.50", "0.50x"]
 

@@ -387,6 +387,68 @@ def test_acquire_finds_scattered_empty_slots_in_order_from_its_cursor_and_wraps(
     np.testing.assert_array_equal(table.acquire_empty(2, 50), emptied[:10])  # wrapped around to the start
 
 
+def test_a_search_for_empty_slots_made_before_the_lock_runs_again_under_it_if_another_writer_took_one() -> None:
+    """A writer searches for its empty slots before it takes the node lock (NOTE [ Node lock budget ]); another
+    writer may take some of them in between. Under the lock the search is checked and, finding a slot no longer
+    empty, made again from the same cursor: the writer gets as many slots as before, none of the other's."""
+    slots = 64
+    table = SlotTable(slots, seed=3)
+    if table.fd is None:
+        raise AssertionError("no fd")
+    other = SlotTable(slots, SharedMemory(table_nbytes(slots), os.dup(table.fd)))
+    real_acquire = table._acquire
+
+    def racing(wait_s: float | None = None) -> None:  # the other writer's acquire lands between search and lock
+        table._acquire = real_acquire  # type: ignore[method-assign]
+        other.acquire_empty(2, 8)
+        real_acquire(wait_s)
+
+    table._acquire = racing  # type: ignore[method-assign]
+    got = table.acquire_empty(1, 8)
+    np.testing.assert_array_equal(got, np.arange(8, 16))  # the first 8 went to the other writer meanwhile
+    assert (table.holder[got] == 1).all() and (table.state[got] == WRITING).all()
+    assert snapshot(table) == TableSnapshot(48, 16, 0, 0)
+    table._acquire = racing  # type: ignore[method-assign]
+    held, fresh = table.commit_and_acquire(1, got, 8)  # all or nothing, still 8, none of the other's
+    assert held == 8
+    np.testing.assert_array_equal(fresh, np.arange(24, 32))
+    assert (table.holder[16:24] == 2).all() and (table.state[fresh] == WRITING).all()
+    assert snapshot(table) == TableSnapshot(32, 24, 8, 0)
+    other.close()
+    table.close()
+
+
+def test_candidates_kept_where_full_before_the_lock_give_a_uniform_draw_of_the_slots_still_full() -> None:
+    """A reader keeps only the candidates that are full before it takes the lock; meanwhile another reader may
+    draw some of them and a writer commit others. The draw takes only slots full now, n distinct ones (a slot
+    committed in between only through a top-up round), and every slot full at both moments equally often."""
+    slots, n, rounds = 1000, 64, 2000
+    picker = SlotPicker(slots, seed=12)
+    rng = np.random.default_rng(13)
+    base = np.full(slots, EMPTY, dtype=np.uint8)
+    full = rng.choice(slots, slots // 2, replace=False)
+    base[full] = FULL
+    empty = np.flatnonzero(base == EMPTY)
+    counts = np.zeros(slots, dtype=np.int64)
+    fresh = 0  # drawn slots that were committed between the candidates' check and the draw
+    for _ in range(rounds):
+        state = base.copy()
+        candidates = picker.candidates(n, len(full), state=state)
+        assert (state[candidates] == FULL).all()
+        state[rng.choice(full, 32, replace=False)] = READING  # another reader's draw
+        committed = rng.choice(empty, 32, replace=False)
+        state[committed] = FULL  # a writer's commit
+        got = picker.sample_full(state, n, len(full), candidates)
+        assert len(got) == n and len(np.unique(got)) == n and (state[got] == FULL).all()
+        fresh += int(np.isin(got, committed).sum())
+        counts[got] += 1
+    assert fresh < 0.01 * n * rounds  # 32 of 500 full slots, but drawn only when the candidates fell short
+    expected = counts[full].sum() / len(full)
+    chi2 = float((((counts[full] - expected) ** 2) / expected).sum())
+    dof = len(full) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2
+
+
 def _hammer(table: SlotTable, seed: int, rounds: int, log_fd: int, started_fd: int = -1) -> int:
     """A child that writes and reads at random; exits 3 if it ever finds a slot it holds held by someone else."""
     me = os.getpid()

@@ -121,6 +121,8 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
             _num(100 * ld["lock_busy"], 1) if ld.get("lock_busy") is not None else "-",
             _num(ld.get("lock_hold_us"), 1),
             _num(ld.get("lock_holds_per_batch"), 2),
+            _num(ld.get("lock_ns_per_row"), 1),
+            _num(ld.get("lock_ceiling_rows_per_s")),
         ]
         for name, ld in loaders
     ]
@@ -135,7 +137,8 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
         "node lock over the timed window (every transition of the node's writers and readers; busy near 100%: more "
-        "of them cannot add throughput)\n" + _table(["workload", "", "busy %", "us/hold", "holds/batch"], lock),
+        "of them cannot add throughput; ceiling = 1 / lock time per row, the node's rows/s with the lock always "
+        "held)\n" + _table(["workload", "", "busy %", "us/hold", "holds/batch", "ns/row", "ceiling rows/s"], lock),
     ]
     if any(ld.get("ranks", 1) > 1 for _, ld in loaders):
         per_rank = [

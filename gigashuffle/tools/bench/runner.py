@@ -204,7 +204,7 @@ def measure_loader(
     samples = sum(int(r["samples"]) for r in per_rank)
     batches_total = sum(int(r["batches"]) for r in per_rank)
     samples_per_s = sum(float(r["samples_per_s"]) for r in per_rank)
-    lock = _lock_figures(lock_before, lock_after, meter.wall_s, batches_total)
+    lock = _lock_figures(lock_before, lock_after, meter.wall_s, batches_total, samples)
     return {
         # Totals over the ranks; "seconds" is rank 0's window, which the others share.
         "samples": samples,
@@ -234,14 +234,20 @@ def measure_loader(
     }
 
 
-def _lock_figures(before: LockUsage, after: LockUsage, wall_s: float, batches: int) -> dict[str, float | None]:
+def _lock_figures(
+    before: LockUsage, after: LockUsage, wall_s: float, batches: int, rows: int
+) -> dict[str, float | None]:
     """The node lock over the window: the share of it that the lock was held (every rank's writers and readers
-    together: NOTE [ Node lock budget ]), the mean hold, and the holds per delivered batch."""
+    together: NOTE [ Node lock budget ]), the mean hold, the holds per delivered batch, the lock's time per
+    delivered row and the node's ceiling that it sets (rows/s = 1 / lock time per row: the rate at which the
+    lock would be held all the time, whatever the node's cores)."""
     held_s, holds = after.held_s - before.held_s, after.holds - before.holds
     return {
         "lock_busy": held_s / wall_s if wall_s > 0 else None,
         "lock_hold_us": 1e6 * held_s / holds if holds else None,
         "lock_holds_per_batch": holds / batches if batches else None,
+        "lock_ns_per_row": 1e9 * held_s / rows if rows else None,
+        "lock_ceiling_rows_per_s": rows / held_s if held_s > 0 else None,
     }
 
 
