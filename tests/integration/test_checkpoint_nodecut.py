@@ -133,17 +133,19 @@ def test_two_ranks_of_one_node_resume_every_row_once_past_a_slow_cut_a_killed_re
     assert lost_twice[:2] == (0, 0)
 
 
-@pytest.mark.parametrize("way", ["saved", "positions"])
 def test_a_rank_that_reads_on_while_the_other_is_in_its_cut_delivers_nothing_the_cut_saves(
-    redis_url: str, tmp_path: Path, way: str
+    redis_url: str, tmp_path: Path
 ) -> None:
     """The last rank reads on (and counts what it reads) until local rank 0 is in its cut (it asked its readers to
     pause: a fail point's marker), then 0.3 s more: rank 0 must wait at PAUSED before it lists the node's buffer, or
     it lists while the late rank's readers draw and its writers write (rows it delivers saved too, or rows written
-    after the listing saved by nobody). In the other scenario the late rank sleeps with a full ring: nothing moves."""
+    after the listing saved by nobody). In the other scenario the late rank sleeps with a full ring: nothing moves.
+    By positions only: with the PAUSED wait skipped it gives 8 ids twice (2 of 2 runs); the saved way showed nothing
+    here (0 of 2: a slot the late rank draws is mostly refilled by its own writer before rank 0's copy), so it would
+    only add a minute of CI."""
     in_cut = tmp_path / "rank0-in-cut"
     asked = {0: f"cut.readers_asked=1:sleep=0.001:{in_cut}"}
-    lost_twice = run_scenario(redis_url, tmp_path, way=way, failpoints=asked, read_until=str(in_cut))
+    lost_twice = run_scenario(redis_url, tmp_path, way="positions", failpoints=asked, read_until=str(in_cut))
     assert lost_twice[:2] == (0, 0)
 
 

@@ -16,7 +16,7 @@ from elastic_job import write_shards
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.procs import failpoints
-from gigashuffle.sources import ParquetReader, Sharded
+from gigashuffle.sources import ParquetReader, Sharded, shardcursor
 from gigashuffle.trainer.datasetstate import own_part
 
 FAR = 10**6  # a position no test reads up to: a writer that got the refused state would show it
@@ -108,7 +108,8 @@ def test_an_elastic_resume_needs_every_ranks_part(tmp_path: Path) -> None:
         own_part(cfg, {"rank0": rank0}, dataset)
     rank1 = {**one, "global_rank": 1, "writers": [dataset.reshard_states([dataset.state_dict()], [0], 2)[1]]}
     mine = own_part(cfg, {"rank0": rank0, "rank1": rank1}, dataset)
-    assert [c[0] for c in mine["writers"][0]["cursor"]] == [0, 1, 2], "one writer gets every shard back"
+    every_piece = list(range(len(shardcursor.pieces([5, 6, 7]))))  # NOTE [ Balanced pieces ]
+    assert [c[0] for c in mine["writers"][0]["cursor"]] == every_piece, "one writer gets every piece back"
 
 
 def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_formats(redis_url: str) -> None:

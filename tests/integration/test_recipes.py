@@ -96,21 +96,28 @@ def _recipe_args(redis_url: str) -> list[str]:
 
 # Each rank reads until it has seen every id of its share (a fixed batch count would race with a writer that
 # starts late); with a source split twice it never would, and stops at --batches with a fraction instead.
-RANK_ARGS = [["--distinct", "40"], ["--distinct", "20"]]
+# Shard k holds ids [20k, 20k + 20). Split by worker (Hugging Face, a webdataset pipeline), rank 0's writers (job-wide
+# ids 0, 1) read shards 0 and 1, rank 1's writer 2 reads shard 2 and its writer 3 none. Sharded deals the rows out
+# (NOTE [ Balanced pieces ] in sources/shardcursor.py): 15 to each writer, so ids [0, 30) to rank 0's two.
+BY_WORKER = {0: range(40), 1: range(40, 60)}
+BY_ROWS = {0: range(30), 1: range(30, 60)}
 
 
-def _check_job_wide_split(results: list[dict[str, Any]]) -> None:
+def _rank_args(split: dict[int, range]) -> list[list[str]]:
+    return [["--distinct", str(len(split[r]))] for r in range(2)]
+
+
+def _check_job_wide_split(results: list[dict[str, Any]], split: dict[int, range]) -> None:
     by_rank = {r["rank"]: set(r["ids"]) for r in results}
-    # Shard k holds ids [20k, 20k + 20); rank 0's writers (job-wide ids 0, 1) read shards 0 and 1, rank 1's writer
-    # 2 reads shard 2. A second split by node would leave each rank half of that.
-    assert by_rank == {0: set(range(40)), 1: set(range(40, 60))}, {r: sorted(i) for r, i in by_rank.items()}
-    assert [r["writers"] for r in results] == [2, 2], "a writer without a shard died instead of idling"
+    # A second split by node would leave each rank half of its share.
+    assert by_rank == {r: set(ids) for r, ids in split.items()}, {r: sorted(i) for r, i in by_rank.items()}
+    assert [r["writers"] for r in results] == [2, 2], "a writer without rows died instead of idling"
 
 
 @pytest.mark.usefixtures("runtime_dir")
 def test_hugging_face_recipe_splits_the_shards_over_every_writer_of_the_job(redis_url: str, tmp_path: Path) -> None:
-    results = _run_ranks(EXAMPLES / "hf_datasets.py", _recipe_args(redis_url), tmp_path, RANK_ARGS)
-    _check_job_wide_split(results)
+    results = _run_ranks(EXAMPLES / "hf_datasets.py", _recipe_args(redis_url), tmp_path, _rank_args(BY_WORKER))
+    _check_job_wide_split(results, BY_WORKER)
 
 
 @pytest.mark.parametrize("form", ["sharded", "pipeline"])
@@ -118,8 +125,8 @@ def test_hugging_face_recipe_splits_the_shards_over_every_writer_of_the_job(redi
 def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(
     redis_url: str, tmp_path: Path, form: str
 ) -> None:
-    """Both forms of the recipe: ``Sharded`` + ``TarReader`` (the default, checkpointable) and a webdataset
-    pipeline in ``Chunked`` (``--pipeline``): the same rows, split the same way."""
+    """Both forms of the recipe: ``Sharded`` + ``TarReader`` (the default, checkpointable, rows dealt out by rows)
+    and a webdataset pipeline in ``Chunked`` (``--pipeline``, shards split by worker): every row once, job-wide."""
     made = subprocess.run(
         [sys.executable, str(EXAMPLES / "webdataset_shards.py"), "--write-shards", str(tmp_path / "shards"),
          "--shards", "3", "--rows", "60"],
@@ -129,10 +136,14 @@ def test_webdataset_recipe_splits_the_shards_over_every_writer_of_the_job(
     urls = made.stdout.strip()
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [f"shard-{i:06d}.tar" for i in range(3)]
     pipeline = ["--pipeline"] if form == "pipeline" else []
+    split = BY_WORKER if form == "pipeline" else BY_ROWS
     results = _run_ranks(
-        EXAMPLES / "webdataset_shards.py", ["--urls", urls, *pipeline, *_recipe_args(redis_url)], tmp_path, RANK_ARGS
+        EXAMPLES / "webdataset_shards.py",
+        ["--urls", urls, *pipeline, *_recipe_args(redis_url)],
+        tmp_path,
+        _rank_args(split),
     )
-    _check_job_wide_split(results)
+    _check_job_wide_split(results, split)
 
 
 def test_a_webdataset_pipeline_cannot_checkpoint_and_the_error_names_the_tar_reader(
