@@ -37,11 +37,12 @@ dropped batches reclaimed and sent back, a zygote event read and handled, a hold
 * **Threads.** Python runs signal handlers in the main thread only, so sections of other threads count nothing
   and install nothing: no ``KeyboardInterrupt`` can land there.
 
-At interpreter exit (``set_exiting()``: from ``threading._shutdown``, which Python runs before the atexit callbacks
-while it waits for non-daemon threads, and from the loader's atexit hook, which then closes the loaders never
-closed; only while a loader is open) ``_on_sigint`` stays installed and SIGINT is ignored from then on, with a debug
-log line: the process is ending, and an interrupt would only abort its teardown half way (processes, Redis keys and
-the embedded server left behind) or print "Exception ignored in atexit callback" from whatever teardown comes next.
+At interpreter exit (``set_exiting()``: from ``sys.excepthook`` when an uncaught exception ends the script, from
+``threading._shutdown``, which Python runs before the atexit callbacks while it waits for non-daemon threads, and
+from the loader's atexit hook, which then closes the loaders never closed; only while a loader is open)
+``_on_sigint`` stays installed and SIGINT is ignored from then on, with a debug log line: the process is ending, and
+an interrupt would only abort its teardown half way (processes, Redis keys and the embedded server left behind) or
+print "Exception ignored in atexit callback" from whatever teardown comes next.
 While the exit still waits for threads, a Ctrl-C that insists (a second one ``_INSIST_S`` after the first) is
 delivered: a non-daemon thread that never ends must not make the exit unstoppable. SIGTERM and SIGKILL still end it.
 """
@@ -262,7 +263,23 @@ def install() -> None:
             register(_exit_begins)
             state.hooked = True
         except RuntimeError:  # the exit began already
-            pass
+            return
+        global _script_excepthook
+        _script_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+_script_excepthook: Any = sys.__excepthook__
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """An exception ended the script: its exit begins here, not at ``threading._shutdown`` (a Ctrl-C on the first
+    bytecodes of that function, before its hooks ran, printed "Exception ignored in: <module 'threading'>").
+    Only when the interpreter itself calls it (no Python caller: a library that calls ``sys.excepthook`` to log
+    an error goes on running) and not in an interactive session, which goes on after every error."""
+    if sys._getframe().f_back is None and not sys.flags.interactive and not hasattr(sys, "ps1"):
+        _exit_begins()
+    _script_excepthook(kind, value, tb)
 
 
 def uninstall() -> None:

@@ -4,6 +4,8 @@ whose handler runs where, what is raised where, waits, threads."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -193,3 +195,44 @@ def test_at_exit_sigint_is_ignored_and_the_teardown_runs_on() -> None:
     finally:
         assert state.pending is None, "an interrupt ignored at exit was kept for later"
         state.exiting, state.joining, state.users, state.replaced, state.pending = saved
+
+
+_UNCAUGHT = """
+import os, signal, sys
+from gigashuffle.procs import interrupts
+
+def scripts_hook(kind, value, tb):  # the script's own, installed before the loader: the traceback's printer
+    os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while the exit prints the traceback
+    print("hook ran to its end", flush=True)
+    sys.__excepthook__(kind, value, tb)
+
+sys.excepthook = scripts_hook
+interrupts.install()  # a loader opened
+if sys.argv[1] == "logged":  # a library that logs an error through sys.excepthook and goes on
+    try:
+        raise ValueError("logged")
+    except ValueError:
+        try:
+            sys.excepthook(*sys.exc_info())
+        except KeyboardInterrupt:
+            print("interrupt raised: still running", flush=True)
+    sys.exit(0)
+raise RuntimeError("the script's own error")
+"""
+
+
+@pytest.mark.parametrize("how", ["uncaught", "logged"])
+def test_an_uncaught_exception_begins_the_exit_and_a_logged_one_does_not(how: str) -> None:
+    """A script ended by an exception exits from its ``sys.excepthook`` on, so a Ctrl-C from then on (here: in the
+    script's own hook) is ignored instead of printing a second traceback from ``threading._shutdown``'s first
+    bytecodes; ``sys.excepthook`` called by a library that goes on running leaves Ctrl-C as it was."""
+    done = subprocess.run(
+        [sys.executable, "-c", _UNCAUGHT, how], check=False, capture_output=True, text=True, timeout=60
+    )
+    if how == "uncaught":
+        assert "hook ran to its end" in done.stdout, done.stderr
+        assert "RuntimeError: the script's own error" in done.stderr and "KeyboardInterrupt" not in done.stderr, (
+            done.stderr
+        )
+    else:
+        assert "interrupt raised: still running" in done.stdout, (done.stdout, done.stderr)
