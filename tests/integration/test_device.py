@@ -20,6 +20,15 @@ from gigashuffle.trainer import pinning
 Batch = list[dict[str, torch.Tensor]]
 
 
+def _each_row_once(batches: list[Batch]) -> None:
+    """Every batch whole (no torn row) and no row in two of them; checked after the copies ran."""
+    seen: set[int] = set()
+    for batch in batches:
+        ids = check_unique_batch(batch, 4, 64)
+        assert not seen.intersection(ids), "a row was delivered twice"
+        seen.update(ids)
+
+
 def _config(redis_url: str, **fields: object) -> DataloaderConfig:
     return DataloaderConfig(
         bs=4, shuffle_size=64, queue_name=f"device-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
@@ -75,11 +84,7 @@ def test_device_mode_never_reuses_a_slot_under_its_copy(
         syncs = cuda.host_syncs
     assert cuda.registered == {} and cuda.unregistered_in_flight == 0
     cuda.advance_all()
-    seen: set[int] = set()
-    for batch in on_gpu:  # every row checked after the copies ran
-        ids = check_unique_batch(batch, 4, 64)
-        assert not seen.intersection(ids), "a row was delivered twice"
-        seen.update(ids)
+    _each_row_once(on_gpu)  # every row checked after the copies ran
     if gpu_runs:
         assert syncs == 0, "the hot path never waited for the GPU"
     else:
@@ -103,11 +108,7 @@ def test_pin_only_hands_out_pinned_views_and_reuses_a_slot_only_after_the_users_
         assert pinned == N, f"{N - pinned} of {N} batches were pageable copies"
     assert cuda.registered == {} and cuda.unregistered_in_flight == 0
     cuda.advance_all()
-    seen: set[int] = set()
-    for batch in on_gpu:
-        ids = check_unique_batch(batch, 4, 64)
-        assert not seen.intersection(ids), "a row was delivered twice"
-        seen.update(ids)
+    _each_row_once(on_gpu)
 
 
 # -- issue 33 ----------------------------------------------------------------------------------------------------
@@ -179,11 +180,7 @@ def test_device_mode_a_catch_and_retry_loop_keeps_getting_batches_after_failed_c
         whole, detail = _ring_whole(loader, cuda)
         assert whole, detail
     cuda.advance_all()
-    seen: set[int] = set()
-    for batch in kept:
-        ids = check_unique_batch(batch, 4, 64)
-        assert not seen.intersection(ids), "a row was delivered twice"
-        seen.update(ids)
+    _each_row_once(kept)
 
 
 def test_pin_only_batches_stay_pinned_when_the_caller_holds_the_last_one_while_asking_for_the_next(
@@ -204,11 +201,7 @@ def test_pin_only_batches_stay_pinned_when_the_caller_holds_the_last_one_while_a
         del batch
         assert pinned == N, f"{N - pinned} of {N} batches were pageable copies"
     cuda.advance_all()
-    seen: set[int] = set()
-    for gpu_batch in on_gpu:
-        ids = check_unique_batch(gpu_batch, 4, 64)
-        assert not seen.intersection(ids), "a row was delivered twice"
-        seen.update(ids)
+    _each_row_once(on_gpu)
 
 
 def test_pin_only_side_stream_prefetcher_with_release_after_never_reads_a_refilled_slot(
@@ -231,8 +224,4 @@ def test_pin_only_side_stream_prefetcher_with_release_after_never_reads_a_refill
             on_gpu.append([{key: cuda.copy(t, 0, cuda.current_stream(0)) for key, t in next_one[0].items()}])
             del next_one
     cuda.advance_all()
-    seen: set[int] = set()
-    for gpu_batch in on_gpu:
-        ids = check_unique_batch(gpu_batch, 4, 64)
-        assert not seen.intersection(ids), "a row was delivered twice"
-        seen.update(ids)
+    _each_row_once(on_gpu)
