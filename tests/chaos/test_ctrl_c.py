@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -57,22 +58,30 @@ def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
     return alive
 
 
-@pytest.mark.usefixtures("runtime_dir")
-def test_sigint_storm_leaves_a_loader_that_delivers(redis_url: str) -> None:
+def _storm(*args: str, least: int) -> tuple[dict[str, Any], str]:
+    """Run ``ctrl_c_script.py`` with ``args``; its result and what to show on a failure, after the checks every
+    storm shares: at least ``least`` interrupts caught, rings whole, nothing held, the lock free, 200 batches after
+    the storm and no noise on stderr."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "storm", redis_url, _queue(), "6", "30"],
+        [sys.executable, str(SCRIPT), *args],
         env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
     )  # fmt: skip
     detail = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, detail
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["caught"] >= 200, f"too few interrupts landed to mean anything:\n{detail}"
+    assert result["caught"] >= least, f"too few interrupts landed to mean anything:\n{detail}"
     assert result["rings_whole"], f"ring slots lost to an interrupt (ready by reader vs depth):\n{detail}"
     assert result["held"] == [0, 0], f"the trainer counts batches as held that nobody holds:\n{detail}"
     assert result["lock_free"], f"the node lock stayed held after the storm:\n{detail}"
     assert result["after"] == 200, f"the loader stopped delivering after the storm:\n{detail}"
     for noise in NOISE:
         assert noise not in proc.stderr, detail
+    return result, detail
+
+
+@pytest.mark.usefixtures("runtime_dir")
+def test_sigint_storm_leaves_a_loader_that_delivers(redis_url: str) -> None:
+    _storm("storm", redis_url, _queue(), "6", "30", least=200)
 
 
 @pytest.mark.usefixtures("runtime_dir")
@@ -80,22 +89,9 @@ def test_sigint_storm_leaves_a_loader_that_delivers(redis_url: str) -> None:
 def test_a_scripts_own_handler_under_a_ctrl_c_storm_loses_no_ring_slot(redis_url: str, arrangement: str) -> None:
     """The script's own SIGINT handler raises wherever a Ctrl-C lands (installed after the loader, before it, or
     chaining to the one it replaced): the ring stays whole and the loader delivers 200 of 200 batches after it."""
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "handler_storm", redis_url, _queue(), arrangement, "3", "30"],
-        env=_env(), capture_output=True, text=True, timeout=DEADLINE_S, check=False,
-    )  # fmt: skip
-    detail = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0, detail
-    result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["caught"] >= 20, f"too few interrupts landed to mean anything:\n{detail}"
+    result, detail = _storm("handler_storm", redis_url, _queue(), arrangement, "3", "30", least=20)
     assert result["handler_kept"], f"the script's handler was replaced:\n{detail}"
     assert result["handler_calls"] >= result["caught"], detail
-    assert result["rings_whole"], f"ring slots lost to an interrupt (ready by reader vs depth):\n{detail}"
-    assert result["held"] == [0, 0], f"the trainer counts batches as held that nobody holds:\n{detail}"
-    assert result["lock_free"], f"the node lock stayed held after the storm:\n{detail}"
-    assert result["after"] == 200, f"the loader stopped delivering after the storm:\n{detail}"
-    for noise in NOISE:
-        assert noise not in proc.stderr, detail
 
 
 @pytest.mark.usefixtures("runtime_dir")
