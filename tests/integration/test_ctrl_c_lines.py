@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
@@ -76,18 +77,28 @@ def _ready_within(loader: MultiprocessShuffledDataloader, seconds: float) -> boo
     return bool(sup.inbox.ready)
 
 
-def _rings_whole(loader: MultiprocessShuffledDataloader) -> tuple[bool, str]:
+def rings_whole(
+    loader: MultiprocessShuffledDataloader,
+    seconds: float = RINGS_BACK_S,
+    readers: int | None = 2,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[bool, str]:
+    """Whether every reader's ring comes back whole within ``seconds``: no slot held, every slot filled and ready
+    (and ``readers`` readers with rings; None: any number, at least one). ``tick`` runs before each pump (a fake
+    GPU's progress). Also what the detail of a failure shows."""
     sup = loader._sup
-    deadline = time.monotonic() + RINGS_BACK_S
+    deadline = time.monotonic() + seconds
     detail = ""
     while time.monotonic() < deadline:
+        tick()
         sup.pump(0.05)
-        readers = sup.readers()
+        live = sup.readers()
         ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
-        depths = {id(c): c.ring.depth for c in readers if c.ring is not None}
-        held = [c.held for c in readers]
+        depths = {id(c): c.ring.depth for c in live if c.ring is not None}
+        held = [c.held for c in live]
         detail = f"ready {sorted(ready.values())}, depths {sorted(depths.values())}, held {held}"
-        if len(depths) == len(readers) == 2 and held == [0, 0] and all(ready[k] == d for k, d in depths.items()):
+        counted = len(live) == readers if readers is not None else bool(live)
+        if counted and len(depths) == len(live) and not any(held) and all(ready[k] == d for k, d in depths.items()):
             return True, detail
     return False, detail
 
@@ -129,7 +140,7 @@ def test_sigint_at_every_line_of_the_batch_path_loses_no_ring_slot(redis_url: st
                 pass
         except KeyboardInterrupt:
             interrupted += 1
-        whole, detail = _rings_whole(loader)
+        whole, detail = rings_whole(loader)
         assert whole, f"ring slots lost after {interrupted} interrupts: {detail}"
         for batch in take(iter(loader), 50):
             check_unique_batch(batch, BS, SHUFFLE)

@@ -4,7 +4,6 @@ loader's CUDA path run against a fake CUDA that models streams and copies in fli
 
 from __future__ import annotations
 
-import collections
 import time
 import uuid
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import pytest
 import torch
 from datasets import UniqueIds, check_unique_batch, take
 from fakecuda import FakeCuda
+from test_ctrl_c_lines import rings_whole
 
 from gigashuffle import INDEX_KEY, DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.trainer import pinning
@@ -112,25 +112,16 @@ def test_pin_only_hands_out_pinned_views_and_reuses_a_slot_only_after_the_users_
 
 
 # -- issue 33 ----------------------------------------------------------------------------------------------------
-def _ring_whole(loader: MultiprocessShuffledDataloader, cuda: FakeCuda, seconds: float = 30.0) -> tuple[bool, str]:
-    """Whether every reader's ring comes back whole (no slot held, every slot filled and ready) once the GPU ran
-    what is queued: the way tests/integration/test_ctrl_c_lines.py reads the rings."""
-    sup = loader._sup
-    deadline = time.monotonic() + seconds
-    detail = ""
-    while time.monotonic() < deadline:
+def _ring_whole(loader: MultiprocessShuffledDataloader, cuda: FakeCuda) -> tuple[bool, str]:
+    """Whether every reader's ring comes back whole once the GPU ran what is queued (test_ctrl_c_lines.py's check,
+    the fake GPU advanced and the loader's pending releases polled before each pump)."""
+
+    def tick() -> None:
         cuda.advance_all()
         loader._placement.poll()
-        sup.inbox.flush()
-        sup.pump(0.05)
-        readers = sup.readers()
-        ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
-        depths = {id(c): c.ring.depth for c in readers if c.ring is not None}
-        held = [c.held for c in readers]
-        detail = f"ready {sorted(ready.values())}, depths {sorted(depths.values())}, held {held}"
-        if readers and len(depths) == len(readers) and not any(held) and all(ready[k] == d for k, d in depths.items()):
-            return True, detail
-    return False, detail
+        loader._sup.inbox.flush()
+
+    return rings_whole(loader, 30.0, readers=None, tick=tick)
 
 
 def _ready_within(loader: MultiprocessShuffledDataloader, cuda: FakeCuda, seconds: float = 20.0) -> bool:
