@@ -355,10 +355,10 @@ class Supervisor:
         return self.node_table.get()
 
     def table_for_cut(self, deadline: float) -> None:
-        """Map the node's slot table for a checkpoint's cut, which lists the buffer's rows from it. None is
-        right only while no buffer exists (published, or attached to by a child of this rank): then it holds no
-        row. A buffer whose table cannot be mapped by ``deadline`` fails the checkpoint, instead of a cut that
-        silently saves none of the buffer's rows (nor finds where a dead writer's successor starts)."""
+        """Map the node's slot table for a checkpoint's cut, which lists the buffer's rows from it. Going on
+        without it is right only while no buffer exists (none published, none attached to by a child of this
+        rank): then it holds no row. A buffer whose table cannot be mapped by ``deadline`` fails the checkpoint,
+        instead of a cut that silently saves none of the buffer's rows."""
         deadline = min(deadline, time.monotonic() + _TABLE_FOR_CUT_S)
         while self.table() is None:
             if "hmac" not in self.session.store.meta() and not any(c.attached for c in self.children):
