@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -83,9 +84,13 @@ def test_a_sigint_storm_in_a_process_that_goes_on_never_leaves_the_lock_held() -
         # A plain flag, not an Event: Event.set() takes a lock in a with-statement, and a SIGINT landing right after
         # its __enter__ leaves that lock held (CPython does not guarantee __exit__ there), so the sender's next wait
         # blocked forever and the child went silent (seen once in a fresh-clone run: no word within 66 s).
-        stop = [False]
+        stop, go = [False], [False]
 
         def sender() -> None:
+            # It waits for the main thread's word that start() has returned: a SIGINT inside start()'s own wait for
+            # this thread would end the child outside any try (seen once in CI: no word within 66 s).
+            while not go[0]:
+                time.sleep(0.001)
             for _ in range(STORM_SIGNALS):
                 time.sleep(0.002)
                 if stop[0]:
@@ -113,6 +118,7 @@ def test_a_sigint_storm_in_a_process_that_goes_on_never_leaves_the_lock_held() -
 
         done = threading.Event()
         threading.Thread(target=sender, daemon=True).start()
+        go[0] = True
         for _ in range(STORM_SIGNALS + 1):
             # An interrupt may also land on the test's own lines outside any try (a loop's jump): go on.
             try:
@@ -130,10 +136,20 @@ def test_a_sigint_storm_in_a_process_that_goes_on_never_leaves_the_lock_held() -
         time.sleep(60)  # live on, idle, as a notebook does
         return 0
 
-    pid = _fork(storm)
+    def reporting_storm() -> int:
+        try:
+            return storm()
+        except BaseException as error:  # the child's fate goes to the test, not to a silent exit
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            os.write(ready_w, f"error {error!r} at {where.filename}:{where.lineno}\n".encode())
+            raise
+
+    pid = _fork(reporting_storm)
     try:
         # A generous deadline: a loaded machine runs the storm slowly.
-        interrupts, calls = map(int, _read_line(ready_r, STORM_S + 60).split())
+        word = _read_line(ready_r, STORM_S + 60)
+        assert not word.startswith("error"), f"the storming child failed: {word}"
+        interrupts, calls = map(int, word.split())
         assert interrupts > 20, f"the storm hardly interrupted anything ({interrupts} interrupts, {calls} rounds)"
         assert _free_within(table, 5.0), f"the lock is held by {table.lock_holder()} after {interrupts} interrupts"
         _audit(table)
