@@ -51,12 +51,19 @@ explorer finds each (a failing interleaving, printed as a trace) and none withou
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+
+# The pure functions of the writer's side of the positions way are driven as they are (procs/positions.py).
+from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, ROW_MASK, filtered_commits, folded
 from model import table as tm
 from model.table import Ids, ModelError, Row, Table
 
@@ -81,6 +88,15 @@ class Config(NamedTuple):
     # A bound for two trainers: a trainer that has a checkpoint to take takes it before it pumps or delivers
     # anything (its children still move in every order before and during its cut).
     eager_cut: bool = False
+    # The positions way (``checkpoint_rows="positions"``, NOTE [ Positions checkpoint ]): writers stamp origins and
+    # keep the states of their chunks begun within ``keep_rows`` of their own rows (KEEP_BUFFERS * shuffle_size;
+    # 0: ``slots``); the cut collects the unconsumed stream rows per lane instead of saving them.
+    positions: bool = False
+    keep_rows: int = 0
+    # A run resumed from a positions checkpoint: writer 0 of each rank starts from stream row ``at`` (its state)
+    # with the filter (keep, until) in absolute stream rows (``start_of``): it writes the rows of ``keep`` and
+    # every row from ``until`` on; the rest were consumed before.
+    resumed_filter: tuple[int, tuple[int, ...], int] | None = None
     # Mutations: each puts back one bug.
     answer_from_chunk_start: bool = False  # (a) commit 171b336: the first-mix wait answers without its ``done``
     stale_paused: bool = False  # (b) commit 82d4221: a Paused counts whatever cut it answered
@@ -88,11 +104,12 @@ class Config(NamedTuple):
     no_respawn_skip: bool = False  # (d) a respawned writer does not skip the rows its predecessor committed
     skip_listed: bool = False  # (e) the cut does not wait at the node barrier LISTED
     skip_paused: bool = False  # (f) the cut does not wait at the node barrier PAUSED
+    every_rank_saved: bool = False  # (g) load_state_dict puts back every rank's saved rows on every rank
 
 
 class Writer(NamedTuple):
     rank: int
-    index: int
+    ix: int  # the writer or reader index (not ``index``: a tuple method)
     seq: int  # the zygote's spawn number (ChildProcess.seq)
     pid: int
     go: bool = True  # ChildSpec.go (childspecs.py:79): False when spawned during a cut
@@ -123,11 +140,21 @@ class Writer(NamedTuple):
     wrows: tuple[Row, ...] = ()  # write(): the rows, the local ``done``, ``saved``
     wdone: int = 0
     wsaved: bool = False
+    # Track (procs/positions.py): its base, kept states (stream row, state), filter, the current chunk's numbering
+    tbase: int = 0
+    retained: tuple[tuple[int, int], ...] = ()
+    fkeep: tuple[int, ...] = ()
+    funtil: int = 0
+    chunk_first: int = 0
+    chunk_rows: tuple[int, ...] | None = None
+
+
+RingSlot = tuple[tuple[Row, ...], int, tuple[int, ...]]
 
 
 class Reader(NamedTuple):
     rank: int
-    index: int
+    ix: int  # the writer or reader index (not ``index``: a tuple method)
     seq: int
     pid: int
     alive: bool = True
@@ -135,7 +162,7 @@ class Reader(NamedTuple):
     inbox: tuple[Msg, ...] = ()
     out: tuple[Msg, ...] = ()
     free: tuple[int, ...] = ()
-    ring: tuple[tuple[tuple[Row, ...], int], ...] = ()  # per ring slot: its rows, its lane number (ring.seq)
+    ring: tuple[RingSlot, ...] = ()  # per ring slot: its rows, its lane number (ring.seq), the rows' origins
     drawn: Ids | None = None
     released: int = 0  # _Lane.released
     want: int = 0
@@ -150,6 +177,7 @@ class Resume(NamedTuple):  # trainer/resumepoints.py _Writer
     reports: tuple[tuple[int, int, int], ...] = ()  # Progress(serial, produced, state)
     saved: tuple[Row, ...] = ()
     mapped: int = -1  # the seq of the writer whose counter is mapped (Attached), -1: none
+    positions: tuple[int, tuple[int, ...], int] | None = None  # (stream row of ``state``, keep, until)
 
 
 class Trainer(NamedTuple):
@@ -222,8 +250,16 @@ def initial(cfg: Config) -> World:
     lanes = 2 * cfg.trainers * cfg.writers + cfg.trainers * cfg.readers
     w = World(Table.new(cfg.slots, lanes), (), (), ((0, 0),) * cfg.trainers, (), cfg.kills, cfg.interrupts, 1000, 1)
     trainers = []
+    everyone = tuple(r for rank in range(cfg.trainers) for r in saved_rows(cfg, rank))
     for rank in range(cfg.trainers):
-        rp = tuple(Resume(saved=saved_rows(cfg, rank) if i == 0 else ()) for i in range(cfg.writers))
+        # ResumePoints.load + set_positions (resumepoints.py): writer 0 puts back the rank's own saved rows
+        # (datasetstate.restore takes its own part); mutation (g) puts back every rank's.
+        saved = everyone if cfg.every_rank_saved else saved_rows(cfg, rank)
+        f = cfg.resumed_filter
+        rp = tuple(
+            Resume(saved=saved if i == 0 else (), state=f[0] if f and i == 0 else 0, positions=f if i == 0 else None)
+            for i in range(cfg.writers)
+        )
         t = Trainer(rank, states=(None,) * cfg.writers, rp=rp, cuts_left=cfg.checkpoints)
         trainers.append(t)
     w = w._replace(trainers=tuple(trainers))
@@ -244,6 +280,8 @@ def _spawn_writer(cfg: Config, w: World, rank: int, index: int) -> World:
         base=rp.state, chunk_state=rp.state, ds=rp.state, restore=rp.saved or None,
         lane=writer_lanes(cfg, rank, index)[0],
     )  # fmt: skip
+    # writer.run: ``position.skip_left = track.restart(base, base_state, keep, until, spec.skip)``
+    child = _track_restart(cfg, child, rp.positions or (0, (), 0))
     return w._replace(children=(*w.children, child), next_seq=w.next_seq + 1, next_pid=w.next_pid + 1)
 
 
@@ -252,6 +290,85 @@ def _spawn_reader(cfg: Config, w: World, rank: int, index: int) -> World:
     inbox: tuple[Msg, ...] = (("Pause", t.cuts),) if t.cutting else ()  # supervisor.py:159-160
     child = Reader(rank, index, w.next_seq, w.next_pid, inbox=inbox)
     return w._replace(children=(*w.children, child), next_seq=w.next_seq + 1, next_pid=w.next_pid + 1)
+
+
+# -- Track (procs/positions.py), as an immutable value: tests/unit/test_cut_explorer.py checks it against the real one
+def _keep_rows(cfg: Config) -> int:
+    """``Track(keep_rows=int(KEEP_BUFFERS * shuffle_size))``, at least 1."""
+    return max(1, cfg.keep_rows or cfg.slots)
+
+
+def lane_of(cfg: Config, rank: int, index: int) -> int:
+    """procs/positions.py ``lane_of``: the writer's lane in the node (the origin's top bits)."""
+    return rank * cfg.writers + index
+
+
+def _filtering(c: Writer) -> bool:
+    """``Track.filtering``."""
+    return c.funtil > c.tbase or len(c.fkeep) > 0
+
+
+def _track_restart(cfg: Config, c: Writer, positions: tuple[int, tuple[int, ...], int]) -> Writer:
+    """``Track.restart(base, state, keep, until, skip)``: the skip is folded into a filter (``folded``, real)."""
+    base, keep, until = positions
+    c = c._replace(tbase=base, retained=((base, c.base),) if cfg.positions else (), chunk_rows=None)
+    if not (len(keep) or until > base):
+        return c._replace(fkeep=(), funtil=0)
+    k, u = folded(np.asarray(keep, dtype=np.int64), until, base, c.skip_left)
+    return c._replace(fkeep=tuple(int(x) for x in k), funtil=int(u), skip_left=0)
+
+
+def _before_chunk(cfg: Config, c: Writer) -> Writer:
+    """``Track.before_chunk(position.produced, position.chunk_state)`` (writer.py ``_before_fetch``)."""
+    if not cfg.positions:
+        return c
+    row = c.tbase + c.produced
+    retained = list(c.retained)
+    if retained and retained[-1][0] == row:
+        retained.pop()
+    retained.append((row, c.chunk_state))
+    while len(retained) > 1 and retained[1][0] <= row - _keep_rows(cfg):
+        retained.pop(0)
+    return c._replace(retained=tuple(retained))
+
+
+def _select(c: Writer, produced: int, rows: int, skipped: int) -> tuple[Writer, tuple[int, ...] | None]:
+    """``Track.select``: the chunk's rows to write (indices), or None for all from ``skipped`` on."""
+    first = c.tbase + produced
+    c = c._replace(chunk_first=first)
+    if not _filtering(c) or first >= c.funtil:
+        return c._replace(fkeep=(), funtil=0, chunk_rows=None), None
+    keep = set(c.fkeep)
+    chosen = tuple(j for j in range(skipped, rows) if first + j >= c.funtil or first + j in keep)
+    return c._replace(chunk_rows=tuple(first + j for j in chosen)), chosen
+
+
+def _origins(cfg: Config, c: Writer, done: int, n: int) -> tuple[int, ...] | None:
+    """``Track.stamp``: the origins of the rows ``done:done+n`` being written (None: not stamped, saved way)."""
+    if not cfg.positions:
+        return None
+    if c.wsaved:
+        return (NO_ORIGIN,) * n
+    bits = lane_of(cfg, c.rank, c.ix) << LANE_SHIFT
+    if c.chunk_rows is None:
+        return tuple(bits | (c.chunk_first + done + j) for j in range(n))
+    return tuple(bits | r for r in c.chunk_rows[done : done + n])
+
+
+Where = tuple[int, int, tuple[tuple[int, int], ...], tuple[int, ...], int]  # (at, head, retained, keep, until)
+
+
+def _track_answer(cfg: Config, c: Writer, skip: int) -> Where | None:
+    """``Track.answer(started, produced, skip, done)`` and ``Track.head``."""
+    if not cfg.positions and not _filtering(c):
+        return None
+    at = c.tbase if not c.started else c.chunk_first if c.done is not None else c.tbase + c.produced
+    done = c.done if c.started else None
+    if done is not None and c.chunk_rows is not None and _filtering(c):
+        head = c.chunk_rows[done - 1] + 1 if done else at
+    else:
+        head = at + skip
+    return at, head, c.retained, tuple(k for k in c.fkeep if k >= head), c.funtil
 
 
 # -- small world updates -----------------------------------------------------------------------------------------
@@ -317,7 +434,8 @@ def _apply(cfg: Config, t: Table, c: Writer, msg: Msg) -> tuple[Table, Writer]:
     else:
         state, skip = c.ds, c.skip_left
     leftover = c.restore[c.restored :] if c.restore is not None else ()  # resume.py:139-144
-    return t, c._replace(out=(*c.out, ("DatasetState", request, c.index, state, skip, leftover)))
+    where = _track_answer(cfg, c, skip)  # chunks.track.answer(started, produced, skip, done)
+    return t, c._replace(out=(*c.out, ("DatasetState", request, c.ix, state, skip, leftover, where)))
 
 
 def _mix_allowed(cfg: Config, t: Table, c: Writer, n: int) -> tuple[int, Writer]:
@@ -339,7 +457,7 @@ def _settle(cfg: Config, c: Writer) -> Writer:
             if c.restore is not None:  # writer.py:547-548, _write_back (577-601)
                 if c.pending:
                     return c  # its publish is a step
-                lanes = writer_lanes(cfg, c.rank, c.index)
+                lanes = writer_lanes(cfg, c.rank, c.ix)
                 c = c._replace(lane=lanes[1], wrows=c.restore, wdone=0, wsaved=True, pc="write")
             elif c.chunk is not None:
                 c = _take(c)
@@ -352,13 +470,16 @@ def _settle(cfg: Config, c: Writer) -> Writer:
 
 
 def _take(c: Writer) -> Writer:
-    """StreamPosition.take (resume.py:121-128) and the call of write() (writer.py:554-559)."""
+    """StreamPosition.take (resume.py:121-128), Track.select and the call of write() (writer.py
+    ``_write_forever``): all rows from the skipped on, or a resumed writer's chosen rows from 0."""
     rows = c.chunk or ()
     skipped = min(c.skip_left, len(rows))
-    return c._replace(
-        started=True, skip_left=c.skip_left - skipped, produced=c.produced + len(rows), done=skipped,
-        wrows=rows, wdone=skipped, wsaved=False, pc="write",
-    )  # fmt: skip
+    produced = c.produced
+    c = c._replace(started=True, skip_left=c.skip_left - skipped, produced=produced + len(rows), done=skipped)
+    c, chosen = _select(c, produced, len(rows), skipped)
+    if chosen is None:
+        return c._replace(wrows=rows, wdone=skipped, wsaved=False, pc="write")
+    return c._replace(wrows=tuple(rows[j] for j in chosen), wdone=0, wsaved=False, pc="write")
 
 
 def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
@@ -366,11 +487,12 @@ def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
     assert isinstance(c, Writer)
     t = w.table
     pc = c.pc
-    lanes = writer_lanes(cfg, c.rank, c.index)
+    lanes = writer_lanes(cfg, c.rank, c.ix)
     if pc == "start":
         # run() and _run() (writer.py:393-454): _before_fetch (its first report is always due), the first chunk,
         # bind() (resume.py:86-96: the bases from the lanes) and Attached; then _hold unless go.
-        rows = stream(cfg, c.rank, c.index)[c.ds : c.ds + cfg.chunk]
+        c = _before_chunk(cfg, c._replace(chunk_state=c.ds))
+        rows = stream(cfg, c.rank, c.ix)[c.ds : c.ds + cfg.chunk]
         counter = (c.serial, t.lanes[lanes[0]] - c.skip_left, t.lanes[lanes[1]])
         out = (*c.out, ("Progress", c.serial, 0, c.ds), ("Attached",))
         lifted = cfg.writers * cfg.trainers <= 1 or t.read > 0  # FirstMix.__init__ (firstmix.py:359)
@@ -393,8 +515,8 @@ def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
     if pc == "fetch":
         # _before_fetch (writer.py:457-462, resume.py:109-119) and chunks.next(): the report when due.
         out = (*c.out, ("Progress", c.serial, c.produced, c.ds)) if report else c.out
-        rows = stream(cfg, c.rank, c.index)[c.ds : c.ds + cfg.chunk]
-        c = c._replace(chunk_state=c.ds, out=out)
+        rows = stream(cfg, c.rank, c.ix)[c.ds : c.ds + cfg.chunk]
+        c = _before_chunk(cfg, c._replace(chunk_state=c.ds, out=out))
         if not rows:  # the model's pass is over: publish, give back, answer the trainer (as _Chunks._idle)
             return _put(w, i, c._replace(pc="end", chunk=None))
         c = _take(c._replace(chunk=rows, ds=c.ds + len(rows)))
@@ -416,10 +538,10 @@ def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
     if pc == "chunk_end":
         # writer.py:565-574: done=None; publish_and_reserve when rows are pending or the reservation is short
         # (rows_per_commit is the chunk for these buffers); then the trainer's messages.
-        rows = len(c.wrows)
+        n_rows = len(c.chunk or ())  # the chunk's rows, all of them even when a filter chose fewer
         reserved = c.reserved
-        if c.pending or len(reserved) < rows:
-            n = rows - len(reserved)
+        if c.pending or len(reserved) < n_rows:
+            n = n_rows - len(reserved)
             if n <= 0:
                 t = tm.commit(t, c.pid, c.pending, c.lane)
             else:
@@ -460,7 +582,7 @@ def _write_step(cfg: Config, w: World, i: int, c: Writer) -> World | None:
             return _put(w, i, _serve_trainer(cfg, c))
         return _put(w._replace(table=t), i, c._replace(reserved=got))
     slots = c.reserved[:allowed]  # writer.py:536-542: copy, pending, the first mix's count
-    t = tm.write_rows(t, c.pid, slots, c.wrows[c.wdone : c.wdone + len(slots)])
+    t = tm.write_rows(t, c.pid, slots, c.wrows[c.wdone : c.wdone + len(slots)], _origins(cfg, c, c.wdone, len(slots)))
     c = c._replace(reserved=c.reserved[len(slots) :], pending=(*c.pending, *slots), wdone=c.wdone + len(slots),
                    mix_written=c.mix_written + len(slots))  # fmt: skip
     return _put(w._replace(table=t), i, _settle(cfg, c))
@@ -478,10 +600,10 @@ def _reader_step(cfg: Config, w: World, i: int) -> World | None:
     c = w.children[i]
     assert isinstance(c, Reader)
     t = w.table
-    lane = reader_lane(cfg, c.rank, c.index)
+    lane = reader_lane(cfg, c.rank, c.ix)
     if c.pc == "start":  # _open_ring (reader.py:73-87), _Lane (223-226), the ring's slots all free
         c = c._replace(out=(*c.out, ("RingReady",)), released=t.lanes[lane], free=tuple(range(cfg.depth)),
-                       ring=(((), 0),) * cfg.depth, pc="loop")  # fmt: skip
+                       ring=(((), 0, ()),) * cfg.depth, pc="loop")  # fmt: skip
         return _put(w, i, c)
     if c.pc == "loop":  # _stream (reader.py:148-169): the frees and cut messages waiting, then a draw
         msgs, free = c.inbox, list(c.free)
@@ -510,19 +632,20 @@ def _reader_step(cfg: Config, w: World, i: int) -> World | None:
     if c.pc == "announce":  # _announce (reader.py:172-217) up to the release: gather, number, release (and draw)
         drawn = c.drawn or ()
         batches = len(drawn) // cfg.bs
-        ks, free = c.free[:batches], c.free[batches:]
+        ks, rest = c.free[:batches], c.free[batches:]
         ring = list(c.ring)
         for b, k in enumerate(ks):
             rows = tuple(t.row[s] for s in drawn[b * cfg.bs : (b + 1) * cfg.bs])
             if any(r is None for r in rows):
                 raise ModelError(f"reader gathered a slot never written: {drawn}")
-            ring[k] = (rows, c.released + b + 1)  # type: ignore[assignment]  # _Lane.number (228-233)
+            origins = tuple(t.origin[s] for s in drawn[b * cfg.bs : (b + 1) * cfg.bs]) if cfg.positions else ()
+            ring[k] = (rows, c.released + b + 1, origins)  # type: ignore[assignment]  # _Lane.number (228-233)
         t = tm.release(t, c.pid, drawn, lane, batches)
         following: Ids | None = None
         if c.want > 0:  # release_and_draw: the next batch in the same hold
             t, ids = tm.draw(t, c.pid, c.want, cfg.min_full)
             following = ids or None
-        c = c._replace(ring=tuple(ring), free=free, released=c.released + batches, drawn=following, ann=ks,
+        c = c._replace(ring=tuple(ring), free=rest, released=c.released + batches, drawn=following, ann=ks,
                        pc="send")  # fmt: skip
         return _put(w._replace(table=t), i, c)
     if c.pc == "send":  # reader.py:216 BatchReady; from a pause, then _pause's Paused (256)
@@ -533,16 +656,17 @@ def _reader_step(cfg: Config, w: World, i: int) -> World | None:
     if c.pc == "paused":  # _pause (reader.py:253-266)
         if not c.inbox:
             return None
-        free, out, paused = list(c.free), list(c.out), True
+        frees, outs, paused = list(c.free), list(c.out), True
         for m in c.inbox:
             if m[0] == "FreeSlot":
-                free.extend(m[1])
+                frees.extend(m[1])
             elif m[0] == "Resume":
                 paused = False
             elif m[0] == "Pause":
-                out.append(("Paused", m[1]))
+                outs.append(("Paused", m[1]))
                 paused = True
-        return _put(w, i, c._replace(inbox=(), free=tuple(free), out=tuple(out), pc="paused" if paused else "loop"))
+        c = c._replace(inbox=(), free=tuple(frees), out=tuple(outs), pc="paused" if paused else "loop")
+        return _put(w, i, c)
     raise ModelError(f"reader pc {c.pc}")
 
 
@@ -572,11 +696,11 @@ def _on_message(cfg: Config, w: World, rank: int, c: Writer | Reader, m: Msg) ->
         t = t._replace(inbox=(*t.inbox, *((c.seq, k) for k in m[1])))
         w = _zero_numbers(w, c.seq, m[1])
     elif kind == "Attached":  # ResumePoints.on_attached (resumepoints.py:70-80)
-        t = t._replace(rp=_set_tuple(t.rp, c.index, t.rp[c.index]._replace(mapped=c.seq)))
+        t = t._replace(rp=_set_tuple(t.rp, c.ix, t.rp[c.ix]._replace(mapped=c.seq)))
     elif kind == "Progress":  # on_report (82-85)
-        rp = t.rp[c.index]
+        rp = t.rp[c.ix]
         if m[1] == rp.serial:
-            t = t._replace(rp=_set_tuple(t.rp, c.index, rp._replace(reports=(*rp.reports, m[1:]))))
+            t = t._replace(rp=_set_tuple(t.rp, c.ix, rp._replace(reports=(*rp.reports, m[1:]))))
     elif kind == "DatasetState":
         t = t._replace(states=_set_tuple(t.states, m[2], m))
     elif kind == "Paused":  # supervisor.py:228-230 (before 82d4221: counted whatever its cut)
@@ -591,7 +715,7 @@ def _zero_numbers(w: World, seq: int, ks: tuple[int, ...]) -> World:
     i = _find(w, seq)
     c = w.children[i]
     assert isinstance(c, Reader)
-    ring = tuple((rows, 0) if k in ks else (rows, n) for k, (rows, n) in enumerate(c.ring))
+    ring = tuple((rows, 0, o) if k in ks else (rows, n, o) for k, (rows, n, o) in enumerate(c.ring))
     return _put(w, i, c._replace(ring=ring))
 
 
@@ -600,10 +724,10 @@ def _on_exit(cfg: Config, w: World, rank: int, c: Writer | Reader) -> World:
     spawn again."""
     t = w.trainers[rank]
     if isinstance(c, Reader):
-        lane = reader_lane(cfg, rank, c.index)
+        lane = reader_lane(cfg, rank, c.ix)
         if c.seq in t.rings:  # _recover_batches (298-306), Inbox.recover (inbox.py:115-124)
             value = w.table.lanes[lane]
-            found = sorted((n, k) for k, (_rows, n) in enumerate(c.ring) if 0 < n <= value)
+            found = sorted((n, k) for k, (_rows, n, _o) in enumerate(c.ring) if 0 < n <= value)
             ks = tuple(k for _n, k in found)
             t = t._replace(inbox=(*t.inbox, *((c.seq, k) for k in ks)))
             w = _zero_numbers(w, c.seq, ks)
@@ -611,31 +735,36 @@ def _on_exit(cfg: Config, w: World, rank: int, c: Writer | Reader) -> World:
         t = _on_death(cfg, w, t, c)
     w = _put_trainer(w._replace(table=tm.repair(w.table, c.pid)), t)
     if isinstance(c, Reader):
-        return _spawn_reader(cfg, w, rank, c.index)
-    return _spawn_writer(cfg, w, rank, c.index)
+        return _spawn_reader(cfg, w, rank, c.ix)
+    return _spawn_writer(cfg, w, rank, c.ix)
 
 
 def _on_death(cfg: Config, w: World, t: Trainer, c: Writer) -> Trainer:
     """ResumePoints.on_death (resumepoints.py:87-120)."""
-    rp = t.rp[c.index]
+    rp = t.rp[c.ix]
     if rp.mapped == c.seq:
         serial, stream_base, saved_base = c.counter
-        lanes = writer_lanes(cfg, c.rank, c.index)
+        lanes = writer_lanes(cfg, c.rank, c.ix)
         committed = w.table.lanes[lanes[0]] - stream_base
         restored = w.table.lanes[lanes[1]] - saved_base
+        # With a filter the lane counts rows written: filtered_commits (real) maps it to stream rows.
+        base, keep, until = rp.positions or (0, (), 0)
+        got, k, u = filtered_commits(base, np.asarray(keep, dtype=np.int64), until, rp.skip, committed)
+        committed, keep, until = int(got), tuple(int(x) for x in k), int(u)
         if serial == rp.serial:
             rp = rp._replace(saved=rp.saved[restored:])
             best = max((r for r in rp.reports if r[1] <= committed), key=lambda r: r[1], default=None)
             if best is not None:
-                rp = rp._replace(state=best[2], skip=0 if cfg.no_respawn_skip else committed - best[1])
+                rp = rp._replace(state=best[2], skip=0 if cfg.no_respawn_skip else committed - best[1],
+                                 positions=(base + best[1], keep, until))  # fmt: skip
             else:
-                rp = rp._replace(skip=0 if cfg.no_respawn_skip else committed)
+                rp = rp._replace(skip=0 if cfg.no_respawn_skip else committed, positions=(base, keep, until))
     rp = rp._replace(serial=t.serials, reports=(), mapped=-1)
-    return t._replace(rp=_set_tuple(t.rp, c.index, rp), serials=t.serials + 1)
+    return t._replace(rp=_set_tuple(t.rp, c.ix, rp), serials=t.serials + 1)
 
 
 _PHASE = {"b_paused": PAUSED, "b_listed": LISTED, "b_copied": COPIED}
-_CUT_PCS = ("c_ask", "r_wait", "b_paused", "list", "b_listed", "r_resume", "copy", "b_copied")
+_CUT_PCS = ("c_ask", "r_wait", "b_paused", "list", "plist", "b_listed", "r_resume", "copy", "b_copied")
 
 
 def _skipped(cfg: Config, pc: str) -> bool:
@@ -688,12 +817,12 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         asked = list(t.asked)
         requests = t.requests
         for c in _live(w, rank, Writer):
-            if t.answers[c.index] is not None or (asked[c.index] or (-1, 0))[0] == c.seq:
+            if t.answers[c.ix] is not None or (asked[c.ix] or (-1, 0))[0] == c.seq:
                 continue
             requests += 1
             w, ok = _send(w, c.seq, ("StateRequest", requests, True))
             if ok:
-                asked[c.index] = (c.seq, requests)
+                asked[c.ix] = (c.seq, requests)
         t = t._replace(asked=tuple(asked), requests=requests)
         w, t = _ask_readers(w, t)
         w = _pump(cfg, w, rank)
@@ -711,7 +840,10 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
             return _put_trainer(w, t._replace(pc="b_paused"))
         return _pump(cfg, _put_trainer(w, t), rank)
     if pc == "b_paused":
-        return _barrier(cfg, w, t, PAUSED, "list", cfg.skip_paused)
+        return _barrier(cfg, w, t, PAUSED, "plist" if cfg.positions else "list", cfg.skip_paused)
+    if pc == "plist":  # positions.cut_rows: collect the unconsumed stream rows, save the others (and copy them)
+        found, rows = _cut_rows(cfg, w, t)
+        return _put_trainer(w, t._replace(listed=found, rows=rows, pc="b_copied"))
     if pc == "list":  # SavedRows.list_rows (savedrows.py:72-100): leftovers, announced batches, full slots
         leftovers = tuple(r for a in t.answers for r in (a[5] if a is not None else ()))
         ids = tm.full_ids(w.table) if rank == 0 else ()
@@ -723,13 +855,13 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         return _put_trainer(w, t._replace(pc="copy"))
     if pc == "copy":  # Listed.copy (savedrows.py:129-138, copy_rows 141-149): the bytes as they are now
         leftovers, batches, ids = t.listed
-        rows = [w.table.row[i] for i in ids]
+        copied: list[Row | None] = [w.table.row[i] for i in ids]
         for seq, k in batches:
             reader = w.children[_find(w, seq)]
             assert isinstance(reader, Reader)
-            rows.extend(reader.ring[k][0])
-        rows.extend(leftovers)
-        return _put_trainer(w, t._replace(rows=tuple(r for r in rows if r is not None), pc="b_copied"))
+            copied.extend(reader.ring[k][0])
+        copied.extend(leftovers)
+        return _put_trainer(w, t._replace(rows=tuple(r for r in copied if r is not None), pc="b_copied"))
     if pc == "b_copied":
         return _barrier(cfg, w, t, COPIED, "finally", cfg.skip_copied)
     if pc == "finally":  # cut.py:124-134
@@ -740,11 +872,67 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
             for c in _live(w, rank, Writer):
                 w, _ok = _send(w, c.seq, ("Go",))
         t = t._replace(cutting=False, paused=frozenset())
-        if not t.failed:
-            states = tuple((a[3], a[4]) for a in t.answers if a is not None)
+        if not t.failed:  # datasetstate.collect: entry_of per answer
+            by_lane: dict[int, tuple[int, ...]] = dict(t.listed) if cfg.positions else {}
+            states = tuple(_entry_of(cfg, rank, a, by_lane) for a in t.answers if a is not None)
             t = t._replace(checkpoint=(t.before, states, t.rows), cuts_left=t.cuts_left - 1)
         return _put_trainer(w, t._replace(pc="train" if t.cuts_left else "done"))
     raise ModelError(f"trainer pc {pc}")
+
+
+def _cut_rows(cfg: Config, w: World, t: Trainer) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[Row, ...]]:
+    """positions.cut_rows and _covered, row by row: (per lane of this rank, the stream rows found at or after its
+    oldest kept state), and the rows saved as rows: the answers' leftovers, announced batches' rows not covered
+    (any lane), and full slots not covered of this rank's lanes (on local rank 0 also of no lane of the node)."""
+    rank = t.rank
+    oldest = {}
+    for a in t.answers:
+        if a is not None and a[6] is not None and a[6][2]:
+            oldest[lane_of(cfg, rank, a[2])] = a[6][2][0][0]
+    found: dict[int, list[int]] = {lane: [] for lane in oldest}
+    rows: list[Row | None] = [r for a in t.answers if a is not None for r in a[5]]
+
+    def covered(origin: int) -> bool:
+        lane, row = origin >> LANE_SHIFT, origin & ROW_MASK
+        if lane in oldest and row >= oldest[lane]:
+            found[lane].append(row)
+            return True
+        return False
+
+    for seq, k in t.inbox:  # sup.inbox.waiting(): announced, not handed out
+        reader = w.children[_find(w, seq)]
+        assert isinstance(reader, Reader)
+        batch, _n, origins = reader.ring[k]
+        rows.extend(r for r, o in zip(batch, origins, strict=True) if not covered(o))
+    node_lanes = cfg.trainers * cfg.writers
+    own = range(rank * cfg.writers, (rank + 1) * cfg.writers)
+    for i in tm.full_ids(w.table):  # the table is mapped here (table_for_cut)
+        origin = w.table.origin[i]
+        if covered(origin):
+            continue
+        lane = origin >> LANE_SHIFT
+        if lane in own or ((lane < 0 or lane >= node_lanes) and rank == 0):
+            rows.append(w.table.row[i])
+    return tuple((lane, tuple(f)) for lane, f in found.items()), tuple(r for r in rows if r is not None)
+
+
+Entry = tuple[int, tuple[int, ...], int]  # (at, keep offsets, until): a positions entry of the checkpoint
+
+
+def _entry_of(cfg: Config, rank: int, a: Msg, found: dict[int, tuple[int, ...]]) -> tuple[int, int, Entry | None]:
+    """positions.entry_of: (state, skip, entry) of a writer's answer; skip is 0 with an entry (collect)."""
+    where: Where | None = a[6]
+    if where is None:
+        return a[3], a[4], None
+    at, head, retained, keep, until = where
+    state = a[3]
+    rows = sorted(found.get(lane_of(cfg, rank, a[2]), ())) if retained else []
+    if rows:
+        starts = [r for r, _s in retained]
+        at, state = retained[bisect.bisect_right(starts, rows[0]) - 1]
+    offsets = sorted([*rows, *keep])
+    u = max(head, until) - at
+    return state, 0, (at, tuple(k - at for k in offsets if k - at < u), u)
 
 
 def _ask_readers(w: World, t: Trainer) -> tuple[World, Trainer]:
@@ -781,7 +969,7 @@ def moves(cfg: Config, w: World) -> Iterator[Move]:
     for i, c in enumerate(w.children):
         if not c.alive:  # a child of a rank whose checkpoint is done still moves (it may write into the buffer)
             continue
-        name = f"{'w' if isinstance(c, Writer) else 'r'}{c.rank}.{c.index}#{c.seq}"
+        name = f"{'w' if isinstance(c, Writer) else 'r'}{c.rank}.{c.ix}#{c.seq}"
         if isinstance(c, Writer):
             if c.pc == "fetch" and w.kills:
                 yield f"{name} fetch, no report", lambda i=i: _writer_step(cfg, w, i, False)  # type: ignore[misc]
@@ -825,8 +1013,8 @@ def _mix_timeout(cfg: Config, w: World) -> list[Move]:
     for i, c in enumerate(w.children):
         if isinstance(c, Writer) and _mix_capped(cfg, w, c):
             out.append(
-                (f"w{c.rank}.{c.index} first-mix timeout", lambda i=i, c=c: _put(w, i, c._replace(mix_lifted=True)))
-            )  # type: ignore[misc]
+                (f"w{c.rank}.{c.ix} first-mix timeout", functools.partial(_put, w, i, c._replace(mix_lifted=True)))
+            )
     return out
 
 
@@ -839,19 +1027,47 @@ def check(cfg: Config, w: World) -> str | None:
     for t in w.trainers:
         want.update(saved_rows(cfg, t.rank))
         for index in range(cfg.writers):
-            want.update(stream(cfg, t.rank, index))
+            f = cfg.resumed_filter if index == 0 else None
+            want.update(_written(cfg, t.rank, index, f[0] if f else 0, f))
         if t.checkpoint is None:
             return f"rank {t.rank} took no checkpoint"
         before, states, rows = t.checkpoint
         got.update(before)
         got.update(rows)
-        for index, (state, skip) in enumerate(states):
-            got.update(stream(cfg, t.rank, index)[state + skip :])
+        for index, (state, skip, entry) in enumerate(states):
+            if entry is None:
+                got.update(stream(cfg, t.rank, index)[state + skip :])
+                continue
+            at, keep, until = entry
+            if not _loadable(entry):
+                return f"rank {t.rank} writer {index}: load_state_dict refuses positions entry {entry} as damaged"
+            # start_of: absolute (at, keep + at, at + until); the writer loads ``state`` as stream row ``at``
+            got.update(_written(cfg, t.rank, index, state, (at, tuple(k + at for k in keep), at + until)))
     lost = sorted((want - got).elements())
     twice = sorted((got - want).elements())
     if lost or twice:
         return f"lost {lost}, twice {twice}"
     return None
+
+
+def _written(
+    cfg: Config, rank: int, index: int, state: int, start: tuple[int, tuple[int, ...], int] | None
+) -> tuple[Row, ...]:
+    """The rows a writer started from dataset ``state`` writes: all of them, or with a positions start (stream row
+    ``at`` of ``state``; keep, until absolute) those of ``keep`` and every one from ``until`` on."""
+    rows = stream(cfg, rank, index)
+    if start is None:
+        return rows[state:]
+    at, keep, until = start
+    chosen = sorted({*(r for r in keep if r >= at), *range(max(at, until), at + len(rows) - state)})
+    return tuple(rows[state + r - at] for r in chosen if 0 <= state + r - at < len(rows))
+
+
+def _loadable(entry: Entry) -> bool:
+    """positions.checked: at, until >= 0; keep strictly increasing offsets in [0, until)."""
+    at, keep, until = entry
+    increasing = all(a < b for a, b in itertools.pairwise(keep))
+    return at >= 0 and until >= 0 and all(0 <= k < until for k in keep) and increasing
 
 
 class Result(NamedTuple):
@@ -955,7 +1171,7 @@ def explore(
 
 
 def _describe(w: World) -> str:
-    parts = [f"{'w' if isinstance(c, Writer) else 'r'}{c.rank}.{c.index}#{c.seq}:{c.pc}" for c in w.children if c.alive]
+    parts = [f"{'w' if isinstance(c, Writer) else 'r'}{c.rank}.{c.ix}#{c.seq}:{c.pc}" for c in w.children if c.alive]
     parts += [f"t{t.rank}:{t.pc}" for t in w.trainers]
     return " ".join(parts) + f" table={w.table.state}"
 

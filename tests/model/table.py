@@ -47,10 +47,13 @@ class Table(NamedTuple):
     row: tuple[Row | None, ...]
     lanes: tuple[int, ...]
     read: int = 0  # H_READ: slots released by readers (the first mix lifts once it is above zero)
+    # The ``origin`` column (NOTE [ Positions checkpoint ]): lane << LANE_SHIFT | stream row, -1 for none (a saved
+    # row put back), stamped by the writer while it holds the slot ``writing``, like the row's bytes.
+    origin: tuple[int, ...] = ()
 
     @staticmethod
     def new(slots: int, lanes: int) -> Table:
-        return Table((EMPTY,) * slots, (0,) * slots, (None,) * slots, (0,) * lanes)
+        return Table((EMPTY,) * slots, (0,) * slots, (None,) * slots, (0,) * lanes, 0, (-1,) * slots)
 
     def count(self, state: int) -> int:
         return self.state.count(state)
@@ -133,11 +136,17 @@ def full_ids(t: Table) -> Ids:
     return tuple(i for i, s in enumerate(t.state) if s == FULL)
 
 
-def write_rows(t: Table, pid: int, ids: Ids, rows: tuple[Row, ...]) -> Table:
-    """``SlotBuffer.write`` into slots the writer holds (procs/writer.py:538): the bytes change, the state not."""
+def write_rows(t: Table, pid: int, ids: Ids, rows: tuple[Row, ...], origins: tuple[int, ...] | None = None) -> Table:
+    """``SlotBuffer.write`` into slots the writer holds (procs/writer.py ``write``): the bytes change, the state not;
+    with ``origins``, ``Track.stamp`` too (the positions way; in the saved way the column is left as it was)."""
     if t._held(pid, ids, WRITING) != ids:
         raise ModelError(f"writer {pid} copies into slots it does not hold: {ids}")
     row = list(t.row)
     for i, r in zip(ids, rows, strict=True):
         row[i] = r
-    return t._replace(row=tuple(row))
+    if origins is None:
+        return t._replace(row=tuple(row))
+    origin = list(t.origin)
+    for i, o in zip(ids, origins, strict=True):
+        origin[i] = o
+    return t._replace(row=tuple(row), origin=tuple(origin))

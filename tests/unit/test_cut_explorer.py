@@ -8,6 +8,7 @@ The slot-table model the explorer runs on is checked op by op against the real `
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,11 +18,13 @@ from model.cutmodel import Config, Result, explore, report, writers_first
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, WRITING, SlotTable
 
 # One writer, one reader, a buffer of two slots, rows in chunks of one: small enough to explore every world.
-ONE = dict(writers=1, rows=2, chunk=1, slots=2, depth=1, min_full=2)
+ONE: dict[str, Any] = dict(writers=1, rows=2, chunk=1, slots=2, depth=1, min_full=2)
 # Two writers whose first-mix share (one row) ends inside their first chunk (two rows).
-MIX = dict(writers=2, rows=2, chunk=2, slots=3, depth=1, min_full=2, kills=0, interrupts=0)
+MIX: dict[str, Any] = dict(writers=2, rows=2, chunk=2, slots=3, depth=1, min_full=2, kills=0, interrupts=0)
 # Two trainers of one node (the node barrier PAUSED/LISTED/COPIED), one writer and one reader each.
-TWO = dict(trainers=2, writers=1, readers=1, rows=2, chunk=1, slots=2, depth=2, bs=1, min_full=1, kills=0, interrupts=0)
+TWO: dict[str, Any] = dict(
+    trainers=2, writers=1, readers=1, rows=2, chunk=1, slots=2, depth=2, bs=1, min_full=1, kills=0, interrupts=0
+)
 
 
 def _explored(name: str, result: Result) -> Result:
