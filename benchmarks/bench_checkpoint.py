@@ -1,4 +1,4 @@
-"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py) on each workload of ``gigashuffle bench``
+"""What a checkpoint costs (NOTE [ Checkpoint cut ] in checkpoint/cut.py) on each workload of ``gigashuffle bench``
 (tiny, tokens, image, each with its own bs and shuffle_size): the latency of ``state_dict()``, the pause it imposes
 on the node, the checkpoint's size, and the time to the first batch of a loader that loads it right after
 construction.
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.checkpoint.parts import rank_key
 from gigashuffle.tools.bench.checkpoint import dataset_of
 from gigashuffle.tools.bench.workloads import WORKLOADS
-from gigashuffle.trainer.datasetstate import rank_key
 
 BATCHES = 50
 WORKLOAD_NAMES = ["tiny", "tokens", "image"]
@@ -78,14 +78,14 @@ class Checkpoint:
     def track_cut_pause_ms(self, workload: str) -> float:
         loader = self.running.loader
         loader.state_dict()
-        return 1000 * loader._sup.last_cut_s  # the supervisor's own clock of the pause
+        return 1000 * loader._checkpoints.last_cut_s  # the cut's own clock of the pause
 
     track_cut_pause_ms.unit = "ms"  # type: ignore[attr-defined]
 
     def track_writers_held_ms(self, workload: str) -> float:
         loader = self.running.loader
         loader.state_dict()
-        return 1000 * loader._sup.cut_parts["writers_held"]
+        return 1000 * loader._checkpoints.cut_parts["writers_held"]
 
     track_writers_held_ms.unit = "ms"  # type: ignore[attr-defined]
 

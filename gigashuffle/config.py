@@ -26,7 +26,7 @@ REDIS_URL_ENV = "GIGASHUFFLE_REDIS_URL"
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
 BATCH_FORMATS = ("list", "dict")
-# How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in trainer/positions.py.
+# How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in checkpoint/positions.py.
 CHECKPOINT_ROWS = ("saved", "positions")
 """Seeds are in ``[0, SEED_LIMIT)``: every writer seed then fits torch's, numpy's (mod 2**32) and random's."""
 
@@ -141,7 +141,7 @@ class DataloaderConfig:
     schedulers and frameworks that ask for a length (the stream goes on where the last epoch stopped).
     ``checkpoint_rows``: how ``state_dict()`` brings back the rows read and not yet trained on: ``"saved"`` saves
     the rows themselves; ``"positions"`` saves where they came from and the writers re-read them (NOTE
-    [ Positions checkpoint ] in trainer/positions.py; needs a dataset that re-reads deterministically).
+    [ Positions checkpoint ] in checkpoint/positions.py; needs a dataset that re-reads deterministically).
     ``first_mix_wait_s``: until the node's first read each writer copies only its share of ``min_mixing``, so that
     the first batches mix every writer of the node; a writer whose share is in waits this long for the others (a
     slow first download, a rank that starts late) before it fills on alone (NOTE [ First mix ] in

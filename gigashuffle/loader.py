@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from gigashuffle.checkpoint.checkpoints import Checkpoints
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import dummyrow
 from gigashuffle.control.client import Client
@@ -25,12 +26,11 @@ from gigashuffle.procs.interrupts import critical
 from gigashuffle.schema import Layout
 from gigashuffle.shm.slottable import LockUsage, ShuffleBufferStats
 from gigashuffle.sources import missing_state_methods
-from gigashuffle.trainer import datasetstate, pinning, positions
+from gigashuffle.trainer import pinning
 from gigashuffle.trainer.batches import Batches
 from gigashuffle.trainer.metrics import METRICS_MAX_AGE_S, LoaderMetrics, MetricsReader
 from gigashuffle.trainer.supervisor import Supervisor
 from gigashuffle.trainer.teardown import at_exit, shutdown
-from gigashuffle.trainer.unconsumed import unconsumed_rows
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,11 @@ class MultiprocessShuffledDataloader:
         self.redis_url = link.url
         try:
             stateful = missing_state_methods(dataset) is None
-            self._sup = Supervisor(config, dataset, link, str(directory), self._placement, stateful=stateful)
+            self._checkpoints = Checkpoints(config)
+            self._sup = Supervisor(
+                config, dataset, link, str(directory), self._placement, self._checkpoints, stateful=stateful
+            )
+            self._checkpoints.bind(self._sup)
         except BaseException:
             link.close()
             raise
@@ -212,20 +216,13 @@ class MultiprocessShuffledDataloader:
 
     def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
-        and the rows read and not handed out (NOTE in trainer/datasetstate.py). The dicts of all ranks merge with
+        and the rows read and not handed out (NOTE in checkpoint/parts.py). The dicts of all ranks merge with
         ``dict.update``; a writer that is dead or being started again is waited for (up to a minute), never a
         crash. ``unconsumed``: batches this loader handed out that the caller did not train on (a framework's
         prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
         self._check_open()
         self._require_state_methods("state_dict")
-        number = self._sup.number_cut()  # first: NOTE [ Node cut ] in control/cutbarrier.py
-        handed: list[Any] = []
-        if (
-            isinstance(unconsumed, (list, tuple)) and self.config.checkpoint_rows == "positions"
-        ):  # views of ring slots: counted by origin
-            handed, unconsumed = positions.traced(unconsumed, self._sup)
-        extra = unconsumed_rows(unconsumed, self._sup) if unconsumed else None
-        return datasetstate.collect(self._sup, self.config, number, extra=extra, handed=handed)
+        return self._checkpoints.state_dict(unconsumed)
 
     def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
@@ -246,7 +243,7 @@ class MultiprocessShuffledDataloader:
         [ Restore before reading ] in procs/resume.py)."""
         self._check_open()
         self._require_state_methods("load_state_dict")
-        datasetstate.restore(self._sup, self.config, state)
+        self._checkpoints.load_state_dict(state)
 
     def _require_state_methods(self, caller: str) -> None:
         why = missing_state_methods(self.dataset)

@@ -4,7 +4,7 @@ NOTE [ Node cut ]
 The ranks of a node share one buffer, so a checkpoint copies it once, and only while nothing moves in it: every
 writer and reader of every local rank paused. Every rank calls ``state_dict()`` at the same step (as it would
 save a model); its cut number is how many times this loader did (a resumed job counts from 1 again). The cut
-(NOTE [ Checkpoint cut ] in trainer/cut.py) passes three barriers:
+(NOTE [ Checkpoint cut ] in checkpoint/cut.py) passes three barriers:
   1. ``PAUSED``: this rank's writers and readers are paused. Past it, local rank 0 lists the buffer's full slots,
      every rank its own announced batches;
   2. ``LISTED``: this rank listed the rows it saves. Past it, the rank resumes its readers (no reader of the node
@@ -13,8 +13,8 @@ save a model); its cut number is how many times this loader did (a resumed job c
      before rank 0 copied it).
 Each rank records in one hash, ``cut:<generation>`` (control/keys.py), field ``<local rank>`` = ``<cut> <phase>
 <token>``, and reads the others' in the same Lua call (``lua.CUT_ARRIVE``), polling until none is missing. The cut
-number is taken first in ``state_dict()`` (``Supervisor.number_cut``), so a call that fails still counts on its
-rank. A rank's later cut counts as past the last phase of an earlier one (it left that barrier and began its next
+number is taken first in ``state_dict()`` (``CutState.next_number`` in checkpoint/cutstate.py), so a call that
+fails still counts on its rank. A rank's later cut counts as past the last phase of an earlier one (it left that barrier and began its next
 checkpoint); at an earlier phase a live rank at a later cut means the ranks numbered their checkpoints differently,
 and fails the cut at once (its later entries must not open this cut's barriers). An entry
 counts only while its token holds that rank's claim now, so an entry of a dead trainer or of an earlier job (one

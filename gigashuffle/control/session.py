@@ -53,7 +53,8 @@ HEARTBEAT_S = 2.0
 VERIFY_EVERY = 5  # heartbeats per check of the generation and the server's run_id (NOTE [ Heartbeat ])
 _CLOSE_REDIS_BUDGET_S = 2.0  # leave_at_close's retry budget
 _STOP_WAIT_S = 1.0  # how long stopping the heartbeat waits for a beat in progress (a few ms when Redis answers)
-# checkpoint_rows: a node's cut by positions relies on every rank counting its own writers' rows (trainer/positions.py).
+# checkpoint_rows: a node's cut by positions relies on every rank counting its own writers' rows
+# (checkpoint/positions.py).
 _SHARED_FIELDS = (
     "bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed", "checkpoint_rows",
 )  # fmt: skip

@@ -16,7 +16,7 @@ of the part; read back with ``weights_only=True``), which dcp stores and restore
 A framework that fetches a batch ahead (Lightning) has been handed one batch more than it trained on when it
 checkpoints: ``StatefulLoader`` keeps the batches it handed out beyond those the framework reports trained
 (``trained``: a count the framework keeps) and passes them as ``state_dict(unconsumed=...)``, so their rows come
-back after a resume (trainer/unconsumed.py).
+back after a resume (checkpoint/unconsumed.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from gigashuffle import MultiprocessShuffledDataloader
+from gigashuffle.checkpoint.parts import rank_key
 from gigashuffle.errors import CheckpointError
-from gigashuffle.trainer.datasetstate import rank_key
 
 # Batches a framework may fetch ahead of its training step (Lightning: one).
 _MAX_AHEAD = 4

@@ -73,7 +73,7 @@ class DatasetState:
     # A checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ]): layout JSON, fields.
     layout_json: str = ""
     rows: tuple[Any, ...] = ()
-    positions: Any = None  # NOTE [ Positions checkpoint ] in trainer/positions.py: procs/positions.py Track.answer
+    positions: Any = None  # NOTE [ Positions checkpoint ] in checkpoint/positions.py: procs/positions.py Track.answer
 
 
 @dataclass(frozen=True)

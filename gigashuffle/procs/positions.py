@@ -1,7 +1,7 @@
 """A writer's side of checkpoints by positions: it numbers its rows, stamps each slot with its row's origin, keeps
 its dataset's state before each recent chunk, and after a resume writes only the rows a checkpoint says to.
 
-The protocol is NOTE [ Positions checkpoint ] in trainer/positions.py. Here:
+The protocol is NOTE [ Positions checkpoint ] in checkpoint/positions.py. Here:
 - a row's *origin* is one int64: the writer's lane within the node (``local_rank * num_writers + index``) in the
   top 16 bits and its *stream row* (the absolute number of the row in that writer's stream, kept across
   respawns and resumes) in the low 48; -1: unknown (a checkpoint's saved rows put back), always saved as rows;

@@ -193,7 +193,7 @@ def _announce(
     slots, versions = drawn
     ring_slots = [free.popleft() for _ in range(len(slots) // bs)]
     gather_since = time.monotonic()
-    origins = env.config.checkpoint_rows == "positions"  # NOTE [ Positions checkpoint ] in trainer/positions.py
+    origins = env.config.checkpoint_rows == "positions"  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
     for i, k in enumerate(ring_slots):
         _gather(buffer, ring, k, slots[i * bs : (i + 1) * bs], versions[i * bs : (i + 1) * bs])
         if origins:  # the rows' origins travel with the batch, for a cut that finds it announced and not delivered
@@ -258,7 +258,7 @@ def _pausing(messages: list[ToChild]) -> int | None:
 
 
 def _pause(env: ChildEnv, free: deque[int], cut: int) -> None:
-    """A checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py): every batch drawn is announced; say so and
+    """A checkpoint's cut (NOTE [ Checkpoint cut ] in checkpoint/cut.py): every batch drawn is announced; say so and
     draw nothing until ``Resume``."""
     env.channel.send(Paused(cut))
     paused = True

@@ -43,7 +43,7 @@ def become_worker(config: DataloaderConfig, index: int, dataset: Any, base_seed:
 def standing_in_for(worker_id: int, num_workers: int, dataset: Any) -> Iterator[None]:
     """``get_worker_info()`` describes writer ``worker_id`` of ``num_workers`` while the block runs in this
     process (the trainer re-reading an old writer's rows: NOTE [ Positions across layouts ] in
-    trainer/rereads.py), then what it described before (None in a training process). The seeds stay as they are:
+    checkpoint/rereads.py), then what it described before (None in a training process). The seeds stay as they are:
     the rows re-read must be a function of the state loaded, as a resume by positions already requires."""
     before = torch_worker._worker_info
     torch_worker._worker_info = torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=0, dataset=dataset)

@@ -90,7 +90,7 @@ class _Chunks:
         self.dataset = spec.dataset
         self.env = env
         self.position = position
-        self.track = track  # NOTE [ Positions checkpoint ] in trainer/positions.py
+        self.track = track  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
         self.limit = spec.config.writer_max_retries
         self._it: Iterator[Any] | None = None
         self._yielded = False  # whether the current pass has yielded any chunk
@@ -175,7 +175,7 @@ def _is_empty(chunk: Any) -> bool:
 
 def _handle_control(env: ChildEnv, chunks: _Chunks) -> bool:
     """Apply the trainer's messages; True if one may change what the dataset yields (a context or a state). Paused
-    by a checkpoint's cut, it returns only after ``Resume`` (NOTE [ Checkpoint cut ] in trainer/cut.py)."""
+    by a checkpoint's cut, it returns only after ``Resume`` (NOTE [ Checkpoint cut ] in checkpoint/cut.py)."""
     changed = False
     position = chunks.position
     while env.channel.poll(_IDLE_POLL_S if position.paused else 0) or position.paused:
@@ -410,7 +410,7 @@ def _write_forever(env: ChildEnv, chunks: _Chunks, chunk: Any, layout: Layout, c
 
 
 def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, write: Callable[..., None]) -> None:
-    """Put a checkpoint's saved rows back into the buffer (NOTE [ Checkpoint cut ] in trainer/cut.py), published
+    """Put a checkpoint's saved rows back into the buffer (NOTE [ Checkpoint cut ] in checkpoint/cut.py), published
     and not counted as rows of the dataset's stream. A cut meanwhile gets the rows not yet copied back with this
     writer's answer (``position.leftover()``)."""
     if position.restore_rows is None:

@@ -256,7 +256,7 @@ class BatchRing:
         self.index_offset = fields_bytes
         self.field_offsets = offsets
         self.versions_offset = fields_bytes + bs * 8
-        # Each row's origin after the versions (NOTE [ Positions checkpoint ] in trainer/positions.py).
+        # Each row's origin after the versions (NOTE [ Positions checkpoint ] in checkpoint/positions.py).
         self.origins_offset = fields_bytes + bs * 16
         self.slot_bytes = _align(fields_bytes + bs * 24)
         self.nbytes = self.slot_bytes * depth + _align(8 * depth)

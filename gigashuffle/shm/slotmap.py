@@ -3,7 +3,7 @@ readings of its header that take no lock (the transitions are in shm/slottable.p
 
 Layout: the header (counts, clock, lock figures, journal: shm/journal.py), the holder registry (shm/holders.py), the
 lanes (shm/lanes.py), then per slot its ``version`` (int64) and ``origin`` (int64: where the row came from, stamped
-by its writer outside the lock for checkpoints by positions, NOTE [ Positions checkpoint ] in trainer/positions.py;
+by its writer outside the lock for checkpoints by positions, NOTE [ Positions checkpoint ] in checkpoint/positions.py;
 -1 unknown) side by side, ``holder`` (int32), the journal's id column (int32) and ``state`` (uint8).
 
 NOTE [ Version and origin ]

@@ -178,7 +178,7 @@ def missing_state_methods(dataset: Any) -> str | None:
 
 
 def reshard_of(dataset: Any) -> Callable[..., list[Any]] | None:
-    """The dataset's ``reshard_states`` (NOTE [ Elastic resume ] in trainer/elastic.py), a :class:`Chunked`'s taken
+    """The dataset's ``reshard_states`` (NOTE [ Elastic resume ] in checkpoint/elastic.py), a :class:`Chunked`'s taken
     from its source (a chunk's rows are the source's samples, so a skip of rows is a skip of samples); None if it
     has none."""
     if isinstance(dataset, Chunked) and dataset.pass_field is not None:

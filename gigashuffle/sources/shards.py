@@ -12,7 +12,7 @@ within one shard. The source is finite: each ``iter()`` is one pass, every row o
 next pass. Its state is a cursor per piece (NOTE [ Shard cursor ]) with the pass number in it;
 :meth:`Sharded.reshard_states` re-splits the states of a checkpoint over another number of writers, which is how
 ``load_state_dict()`` resumes a checkpoint on another world size or ``num_writers`` (NOTE [ Elastic resume ] in
-trainer/elastic.py).
+checkpoint/elastic.py).
 """
 
 from __future__ import annotations

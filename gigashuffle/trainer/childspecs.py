@@ -5,17 +5,32 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
 from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec
-from gigashuffle.procs.messages import Role
+from gigashuffle.procs.messages import Pause, Role
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.seeds import base_seed
-from gigashuffle.trainer.resumepoints import ResumePoints
 
 log = logging.getLogger(__name__)
+
+
+class WriterStarts(Protocol):
+    """What the checkpoint package tells the supervisor about starts (checkpoint/checkpoints.py)."""
+
+    def start_of(self, index: int) -> tuple[Any, int, int, tuple[str, tuple[Any, ...]]]:
+        """(state, skip, serial, saved rows) writer ``index`` starts from if started now."""
+        ...
+
+    def positions_of(self, index: int) -> tuple[int, Any, int] | None:
+        """Writer ``index``'s filter (NOTE [ Positions checkpoint ]), if it has one."""
+        ...
+
+    def held(self) -> Pause | None:
+        """While a checkpoint's cut is on, the ``Pause`` a reader started now gets (and writers start held)."""
+        ...
 
 
 class ChildSpecs:
@@ -28,7 +43,7 @@ class ChildSpecs:
         link: ControlLink,
         runtime_dir: str,
         stateful: bool,
-        resume: ResumePoints,
+        starts: WriterStarts,
     ) -> None:
         self.config = config
         self.dataset = dataset
@@ -36,11 +51,10 @@ class ChildSpecs:
         self.session = link.session
         self.runtime_dir = runtime_dir
         self.stateful = stateful
-        self.resume = resume
+        self.starts = starts
         # A stateful dataset's writers track their commits and hold before reading until ``say_go()`` (NOTE
         # [ Respawned writers ] and [ Restore before reading ] in procs/resume.py); a feed-only rank never asks.
         self.go = not stateful or config.num_readers == 0
-        self.cutting = False  # a checkpoint's cut is on: children started now start paused
         self.context: Any = NO_CONTEXT  # what attach_training_context() gave last; respawned writers get it too
         self.epoch: int | None = None  # the last set_epoch() the dataset took, for writers started later
         self.seed, origin = base_seed(config, self.session.generation, os.environ)
@@ -56,9 +70,9 @@ class ChildSpecs:
         readers: list[tuple[Role, int]] = [("reader", i) for i in range(self.config.num_readers)]
         return writers + readers
 
-    def spec(self, role: Role, index: int) -> bytes:
-        """The pickled ``ChildSpec`` of the next start of ``role`` ``index``."""
-        state, skip, serial, saved = self.resume.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
+    def spec(self, role: Role, index: int, held: bool = False) -> bytes:
+        """The pickled ``ChildSpec`` of the next start of ``role`` ``index``; ``held``: a checkpoint's cut is on."""
+        state, skip, serial, saved = self.starts.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -76,10 +90,10 @@ class ChildSpecs:
             stateful=self.stateful,
             skip=skip,
             serial=serial,
-            go=self.go and not self.cutting,
+            go=self.go and not held,
             saved_rows=saved,
             epoch=self.epoch if role == "writer" else None,
-            positions=self.resume.positions_of(index) if role == "writer" else None,
+            positions=self.starts.positions_of(index) if role == "writer" else None,
         )
         try:
             return dumps_by_value(spec)

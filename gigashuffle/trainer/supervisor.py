@@ -10,6 +10,10 @@ the trainer raises that text in a ``WorkerDied``. A dead child's slots are repai
 ``max_restarts`` left it is spawned again.
 When the session itself is lost, the trainer rejoins (NOTE [ Rejoining ] in trainer/rejoin.py). ``shutdown()`` is
 idempotent and runs from the loader's ``weakref.finalize`` callback, so it must not refer to the loader object.
+
+The supervisor knows children, not checkpoints: what the checkpoint package needs of it it gets through events
+(``on(message type)``, ``on_writer_death``, ``on_close``), one ``send``, and the ``WriterStarts`` it is given, which
+says where each writer starts and whether children started now start held (a cut is on).
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import logging
 import os
 import select
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
-from gigashuffle.errors import CheckpointError, GigashuffleError, QueueStateLostError, WorkerDied
+from gigashuffle.errors import GigashuffleError, QueueStateLostError, WorkerDied
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.channel import ChannelClosed
 from gigashuffle.procs.childenv import proc_name
@@ -33,13 +37,9 @@ from gigashuffle.procs.messages import (
     Attached,
     BatchReady,
     ChildError,
-    DatasetState,
     Go,
     MixShare,
     PassEnd,
-    Pause,
-    Paused,
-    Progress,
     RingReady,
     Role,
     SetContext,
@@ -56,20 +56,24 @@ from gigashuffle.shm.counters import ChildCounters
 from gigashuffle.shm.lanes import NO_LANE, reader_lane, writer_lanes
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer import rejoin
-from gigashuffle.trainer.childspecs import ChildSpecs
+from gigashuffle.trainer.childspecs import ChildSpecs, WriterStarts
 from gigashuffle.trainer.inbox import Inbox
 from gigashuffle.trainer.nodetable import TableView
 from gigashuffle.trainer.pinning import Placement
-from gigashuffle.trainer.resumepoints import ResumePoints
 
 log = logging.getLogger(__name__)
 
 _PUMP_S = 0.25
-# How long a checkpoint's cut tries to map an unmapped slot table (each try waits up to 2 s for an attach socket).
-_TABLE_FOR_CUT_S = 5.0
-_POLL_TABLE_S = 0.05
 # How long a dead child's lanes wait for the node lock before they are read around a stopped holder.
 _LANE_WAIT_S = 1.0
+
+M = TypeVar("M")
+# A message handler: the child, its message, the fds that came with it (the handler owns them).
+Handler = Callable[[ChildProcess, Any, list[int]], None]
+# Lane values once any op a dead child was inside is rolled forward (None: the table is not mapped).
+LaneReader = Callable[[tuple[int, ...]], "tuple[int, ...] | None"]
+# A writer died: its index, its lanes (NOTE [ Lanes ]) and how to read them; called before its slots are repaired.
+DeathHandler = Callable[[int, tuple[int, int], LaneReader], None]
 
 
 class Supervisor:
@@ -80,6 +84,7 @@ class Supervisor:
         link: ControlLink,
         runtime_dir: str,
         placement: Placement,
+        starts: WriterStarts,
         stateful: bool = False,
     ) -> None:
         self.config = config
@@ -89,20 +94,15 @@ class Supervisor:
         self.redis_url = link.url
         session = self.session = link.session
         self.stateful = stateful
-        self.resume = ResumePoints(config.num_writers)
         self.runtime_dir = runtime_dir
         self.runtime_path = Path(runtime_dir)
         self.children: list[ChildProcess] = []
         self.inbox = Inbox(placement, self.children)  # the ring slots of this rank's readers
         self._on_ring = placement.adopt  # a reader's ring arrived: rings are registered with CUDA then, not per batch
-        self._states: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
-        # Spawn seqs of readers that answered the current cut's Pause (NOTE [ Checkpoint cut ]): a Paused of an
-        # earlier, aborted cut is dropped, or the next cut would not wait for that reader's batches.
-        self._paused: set[int] = set()
-        self._last_cut_s = 0.0  # how long the last cut kept this rank's readers from delivering (for the bench)
-        self.cut_parts: dict[str, float] = {}  # seconds per phase of the last cut, and the writers' hold (bench)
+        self._handlers: dict[type, Handler] = {}  # on(): the checkpoint package's messages
+        self._death_handlers: list[DeathHandler] = []
+        self._close_handlers: list[Callable[[], None]] = []
         self._pumping = threading.RLock()  # see pump()
-        self._cuts = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
         self._mix_shares: set[int] = set()  # writers that sent MixShare (NOTE [ First mix ] in procs/firstmix.py)
         self.failure: BaseException | None = None
         self._closed = False
@@ -112,7 +112,8 @@ class Supervisor:
         copies = stateful and config.local_rank == 0 and not config.fill_once and config.evict_on_read
         self.node_table = TableView(config, session, self.runtime_path, map_rows=copies)
         session.counts = self.node_table.counts
-        self._specs = ChildSpecs(config, dataset, link, runtime_dir, stateful, self.resume)
+        self._starts = starts
+        self._specs = ChildSpecs(config, dataset, link, runtime_dir, stateful, starts)
         self.seed = self._specs.seed
         self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
@@ -141,12 +142,6 @@ class Supervisor:
         """Children started again after a death (for metrics(); rejoins are not restarts)."""
         return self._restarts
 
-    @property
-    def last_cut_s(self) -> float:
-        """How long the last checkpoint's cut kept this rank's readers from delivering (for the bench); its writers
-        are held longer, until every rank of the node copied its rows (``cut_parts["writers_held"]``)."""
-        return self._last_cut_s
-
     def late_writers(self) -> list[int]:
         """The live writers that have not written their share of the node's first mix (NOTE [ First mix ])."""
         return sorted(c.index for c in self.writers() if c.index not in self._mix_shares)
@@ -155,10 +150,33 @@ class Supervisor:
     def _spawn(self, role: Role, index: int, restarts: int) -> ChildProcess:
         cfg = self.config
         title = f"gigashuffle {role} {cfg.queue_name} rank={cfg.global_rank} proc={index}"
-        seq, channel = self.zygote.spawn(self._specs.spec(role, index), title)
-        if role == "reader" and self._specs.cutting:
-            channel.send(Pause(self._cuts))  # read before its first draw
+        held = self._starts.held()  # a cut is on: a writer starts held, a reader gets its Pause first
+        seq, channel = self.zygote.spawn(self._specs.spec(role, index, held=held is not None), title)
+        if role == "reader" and held is not None:
+            channel.send(held)  # read before its first draw
         return ChildProcess(role, index, seq, channel, restarts, generation=self.session.generation)
+
+    # -- events for the checkpoint package (checkpoint/checkpoints.py) ----------------------------------------
+    def on(self, kind: type[M], handler: Callable[[ChildProcess, M, list[int]], None]) -> None:
+        """Call ``handler(child, message, fds)`` for every message of type ``kind`` (one handler per type)."""
+        self._handlers[kind] = handler
+
+    def on_writer_death(self, handler: DeathHandler) -> None:
+        """Call ``handler`` when a writer of a stateful dataset dies, before its slots are repaired."""
+        self._death_handlers.append(handler)
+
+    def on_close(self, handler: Callable[[], None]) -> None:
+        """Call ``handler`` at shutdown, after every child is stopped."""
+        self._close_handlers.append(handler)
+
+    def send(self, child: ChildProcess, message: ToChild) -> bool:
+        """Send ``message`` to ``child``; False when it is dying (the zygote reports its exit, and a successor
+        starts from its spec)."""
+        try:
+            child.channel.send(message)
+        except OSError:
+            return False
+        return True
 
     # -- the message pump ------------------------------------------------------------------------------------
     def pump(self, timeout: float = _PUMP_S) -> None:
@@ -216,23 +234,25 @@ class Supervisor:
             self._on_attached(child)
         elif isinstance(message, Attached):
             self._map_counters(child, fds[:1])  # the counters' fd first, then a writer's commit counter
-            if child.role == "writer":
-                self.resume.on_attached(child.index, fds[1:])
+            self._emit(child, message, fds[1:])
             self._on_attached(child)
-        elif isinstance(message, Progress):
-            self.resume.on_report(child.index, message)
         elif isinstance(message, ChildError):
             child.error_type, child.traceback_text = message.type_name, message.traceback
-        elif isinstance(message, DatasetState):
-            self._states[message.index] = message
-        elif isinstance(message, Paused):
-            if message.cut == self._cuts and self._specs.cutting:
-                self._paused.add(child.seq)
         elif isinstance(message, PassEnd):
             self.inbox.pass_ended(message.number)
         elif isinstance(message, MixShare):
             self._mix_shares.add(child.index)
         else:
+            self._emit(child, message, fds)
+
+    def _emit(self, child: ChildProcess, message: object, fds: list[int]) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            handler(child, message, fds)
+            return
+        for fd in fds:
+            os.close(fd)
+        if not isinstance(message, Attached):
             log.warning("unexpected %s from %s %d", type(message).__name__, child.role, child.index)
 
     def _map_counters(self, child: ChildProcess, fds: list[int]) -> None:
@@ -273,7 +293,8 @@ class Supervisor:
             return
         if child.role == "writer" and self.stateful:
             # Before the repair: its successor starts after its last commit (NOTE [ Respawned writers ]).
-            self.resume.on_death(child.index, writer_lanes(self.config.local_rank, child.index), self._lane_values)
+            for handler in self._death_handlers:
+                handler(child.index, writer_lanes(self.config.local_rank, child.index), self._lane_values)
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
@@ -354,24 +375,6 @@ class Supervisor:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
         return self.node_table.get()
 
-    def table_for_cut(self, deadline: float) -> None:
-        """Map the node's slot table for a checkpoint's cut, which lists the buffer's rows from it. Going on
-        without it is right only while no buffer exists (none published, none attached to by a child of this
-        rank): then it holds no row. A buffer whose table cannot be mapped by ``deadline`` fails the checkpoint,
-        instead of a cut that silently saves none of the buffer's rows."""
-        deadline = min(deadline, time.monotonic() + _TABLE_FOR_CUT_S)
-        while self.table() is None:
-            if "hmac" not in self.session.store.meta() and not any(c.attached for c in self.children):
-                return
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"queue {self.config.queue_name!r} rank {self.config.global_rank}: the checkpoint cannot map the "
-                    f"node's slot table (no process of the node answered on its attach socket in "
-                    f"{_TABLE_FOR_CUT_S:.0f} s), so it cannot save the buffer's rows; nothing was saved. See the "
-                    "log for the attach errors, and call state_dict() again"
-                )
-            self.pump(_POLL_TABLE_S)
-
     def _reclaim(self, child: ChildProcess) -> None:
         """Repair a dead child's slots in the table, then drop it from the process registry."""
         if child.pid is None:
@@ -390,17 +393,13 @@ class Supervisor:
     def readers(self) -> list[ChildProcess]:
         return [c for c in self.children if c.role == "reader" and c.alive]
 
-    def say_go(self) -> None:
-        """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going."""
+    def say_go(self, send: bool = True) -> None:
+        """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going.
+        ``send=False``: only later ones (a ``LoadState`` on its way says go to the live ones)."""
         if not self._specs.go:
             self._specs.go = True
-            self.send_to_writers(Go())
-
-    def load_states(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
-        """``load_state_dict``: writers started from now on start from these (writer 0 puts ``saved``, a
-        checkpoint's rows, back first); returns the states' serials."""
-        self._specs.go = True
-        return self.resume.load(states, skips, saved)
+            if send:
+                self.send_to_writers(Go())
 
     def set_context(self, context: Any) -> None:
         """``attach_training_context``: every writer gets ``context`` now, and writers started later in their spec."""
@@ -411,35 +410,6 @@ class Supervisor:
         """``set_epoch``: every writer calls ``dataset.set_epoch(epoch)`` now, and writers started later too."""
         self._specs.epoch = epoch
         self.send_to_writers(SetEpoch(epoch))
-
-    # -- a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py) --------------------------------------
-    def number_cut(self) -> int:
-        """The next checkpoint's number (the node barrier's, NOTE [ Node cut ]), taken first in ``state_dict()``,
-        before anything that can raise: every call counts on every rank, so a call that fails on one rank (a
-        Redis error, a Ctrl-C) leaves no rank a checkpoint behind the others for good."""
-        self._cuts += 1
-        return self._cuts
-
-    def start_cut(self, pause: bool) -> None:
-        """The cut of the checkpoint last numbered begins: with ``pause``, children started from now on start paused."""
-        self._specs.cutting = pause
-
-    def end_cut(self, started: float, readers_resumed: float | None, parts: dict[str, float]) -> None:
-        """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again. Its
-        readers went on at ``readers_resumed`` (None: only now); ``parts``: seconds per phase (for the bench)."""
-        self._specs.cutting = False
-        self._paused.clear()
-        ended = time.monotonic()
-        self._last_cut_s = (readers_resumed or ended) - started
-        self.cut_parts = {**parts, "writers_held": ended - started}
-
-    def state_of(self, index: int) -> DatasetState | None:
-        """Writer ``index``'s answer to the last ``StateRequest`` it answered."""
-        return self._states.get(index)
-
-    def is_paused(self, child: ChildProcess) -> bool:
-        """Whether reader ``child`` answered the current cut's ``Pause``."""
-        return child.seq in self._paused
 
     def send_to_writers(self, message: ToChild) -> None:
         payload = dumps_by_value(message)  # a context object may be an instance of a class from __main__
@@ -470,6 +440,7 @@ class Supervisor:
         self.inbox.clear()
         self.node_table.repair_at_close()
         self.node_table.close()
-        self.resume.close()
+        for handler in self._close_handlers:
+            handler()
         self.link.close()
         log.debug("loader of %s closed (pid %d)", self.config.queue_name, os.getpid())

@@ -17,8 +17,8 @@ from checkpoint_job import FiniteIds
 from datasets import Counter, take, wait_for, writer_of
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
+from gigashuffle.checkpoint.parts import own_part
 from gigashuffle.sources import Chunked
-from gigashuffle.trainer.datasetstate import own_part
 
 
 def _config(redis_url: str, tag: str, **overrides: Any) -> DataloaderConfig:

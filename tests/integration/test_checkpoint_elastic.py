@@ -1,4 +1,4 @@
-"""Elastic checkpoints (issue 22; NOTE [ Elastic resume ] in trainer/elastic.py) with real loaders in real processes.
+"""Elastic checkpoints (issue 22; NOTE [ Elastic resume ] in checkpoint/elastic.py) with real loaders in real processes.
 
 ``sources.Sharded`` over parquet shards of unique ids. Segment 1: one node of 2 ranks x 2 writers; segment 2: 3 ranks
 x 3 writers, each rank its own simulated node; the last: 1 rank x 2 writers (tests/integration/elastic_job.py, each

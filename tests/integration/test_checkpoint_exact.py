@@ -4,7 +4,7 @@ A finite dataset of unique ids (2 writers x ``IDS`` per pass, ``state_dict`` = i
 Three segments each take a checkpoint, read on and are SIGKILLed; each next one is a new process that loads the
 checkpoint right after building its loader. A last segment reads until every id not yet counted came, and on. The rows
 each segment read before its checkpoint, plus everything the last one read, must be every id of pass 0 exactly
-once (NOTE [ Checkpoint cut ] in trainer/cut.py, NOTE [ Respawned writers ] in procs/resume.py).
+once (NOTE [ Checkpoint cut ] in checkpoint/cut.py, NOTE [ Respawned writers ] in procs/resume.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def run_scenario(
     return lost, twice, len(counted)
 
 
-# Both ways of bringing the unconsumed rows back (NOTE [ Positions checkpoint ] in trainer/positions.py); "" is the
+# Both ways of bringing the unconsumed rows back (NOTE [ Positions checkpoint ] in checkpoint/positions.py); "" is the
 # default, "saved".
 WAYS = pytest.mark.parametrize("way", ["", "positions"])
 

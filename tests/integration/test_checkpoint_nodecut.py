@@ -115,7 +115,7 @@ def run_scenario(
     return lost, twice, len(counted)
 
 
-# Each way of bringing rows back (NOTE [ Positions checkpoint ] in trainer/positions.py): by positions each rank
+# Each way of bringing rows back (NOTE [ Positions checkpoint ] in checkpoint/positions.py): by positions each rank
 # counts its own writers' rows in the shared buffer and saves the other ranks' rows it holds in its rings.
 @pytest.mark.parametrize("way", ["saved", "positions"])
 def test_two_ranks_of_one_node_resume_every_row_once_past_a_slow_cut_a_killed_reader_and_a_rerun(

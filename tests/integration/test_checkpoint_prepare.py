@@ -1,4 +1,4 @@
-"""A checkpoint's pause is the copy and nothing else (NOTE [ Checkpoint cut ], trainer/savedrows.py): the rank that
+"""A checkpoint's pause is the copy and nothing else (NOTE [ Checkpoint cut ], checkpoint/savedrows.py): the rank that
 copies the buffer maps it with the slot table, long before a checkpoint, and the arrays made ready before the pause
 hold the rows saved (tests/unit/test_savedrows.py checks that they are shrunk in place)."""
 

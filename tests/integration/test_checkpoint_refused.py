@@ -15,9 +15,9 @@ from datasets import Counter, take
 from elastic_job import write_shards
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.checkpoint.parts import own_part
 from gigashuffle.procs import failpoints
 from gigashuffle.sources import ParquetReader, Sharded, shardcursor
-from gigashuffle.trainer.datasetstate import own_part
 
 FAR = 10**6  # a position no test reads up to: a writer that got the refused state would show it
 

@@ -1,5 +1,5 @@
 """A writer's row numbering, kept states and filter (procs/positions.py; NOTE [ Positions checkpoint ] in
-trainer/positions.py), and the trainer's numbering of a respawned writer's stream (trainer/resumepoints.py)."""
+checkpoint/positions.py), and the trainer's numbering of a respawned writer's stream (checkpoint/respawn.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from gigashuffle.checkpoint import positions, rereads
+from gigashuffle.checkpoint.respawn import ResumePoints
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs import positions as positions_of_writer
@@ -16,8 +18,6 @@ from gigashuffle.procs.messages import DatasetState, Progress
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 from gigashuffle.procs.resume import COUNTER_BYTES
 from gigashuffle.shm.buffer import SharedMemory
-from gigashuffle.trainer import positions, rereads
-from gigashuffle.trainer.resumepoints import ResumePoints
 
 
 def test_a_bad_checkpoint_rows_is_refused_naming_the_field() -> None:

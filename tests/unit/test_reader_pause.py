@@ -1,4 +1,4 @@
-"""A reader's pause for a checkpoint's cut (NOTE [ Checkpoint cut ] in trainer/cut.py), over a real channel pair."""
+"""A reader's pause for a checkpoint's cut (NOTE [ Checkpoint cut ] in checkpoint/cut.py), over a real channel pair."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reading a positions checkpoint's kept rows for an elastic resume (NOTE [ Positions across layouts ] in
-trainer/rereads.py). The whole path, with real loaders over parquet shards, is in
+checkpoint/rereads.py). The whole path, with real loaders over parquet shards, is in
 tests/integration/test_checkpoint_elastic.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from gigashuffle.checkpoint import rereads
 from gigashuffle.errors import CheckpointError
-from gigashuffle.trainer import rereads
 
 
 class Counting:

@@ -1,11 +1,11 @@
-"""trainer/savedrows.py: the arrays made ready before a checkpoint's pause are shrunk in place to the rows saved
+"""checkpoint/savedrows.py: the arrays made ready before a checkpoint's pause are shrunk in place to the rows saved
 (no copy, and no surplus kept alive by the checkpoint), and more rows than estimated get new arrays."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gigashuffle.trainer.savedrows import SavedRows
+from gigashuffle.checkpoint.savedrows import SavedRows
 
 
 def _prepared(rows: int, widths: list[int]) -> SavedRows:

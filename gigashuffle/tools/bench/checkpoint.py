@@ -1,4 +1,4 @@
-"""What a checkpoint costs (NOTE [ Checkpoint cut ] in trainer/cut.py) on each workload of ``gigashuffle bench``:
+"""What a checkpoint costs (NOTE [ Checkpoint cut ] in checkpoint/cut.py) on each workload of ``gigashuffle bench``:
 the cut's pause, while the readers deliver nothing (a loader's first checkpoint, and the median of its later ones;
 its parts, and how long the writers are held, the copy included), ``state_dict()``'s latency, the
 checkpoint's size and saved rows, and the time to the first batch of a loader given the checkpoint against that of
@@ -14,7 +14,7 @@ saved with ``torch.save``, and a new loader of the same queue loads it right aft
 and first batch are timed. ``--busy N`` runs N processes spinning on the CPU meanwhile (a node with more
 runnable processes than cores). ``--workload counter`` is the 16-byte rows (two int64) of the earlier figures.
 ``--way saved,positions``: each way of ``DataloaderConfig.checkpoint_rows`` in turn, a row each (NOTE [ Positions
-checkpoint ] in trainer/positions.py); "re-read k" counts the rows a positions checkpoint has the writers re-read.
+checkpoint ] in checkpoint/positions.py); "re-read k" counts the rows a positions checkpoint has the writers re-read.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.checkpoint.parts import rank_key
 from gigashuffle.tools.bench.workloads import ID_FIELD, WORKLOADS, Chunk, Workload, make_ids
-from gigashuffle.trainer.datasetstate import rank_key
 
 
 class TinyCounter(IterableDataset):  # type: ignore[type-arg]
@@ -125,7 +125,7 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
                 state = loader.state_dict()
                 which = "first" if cut == 0 else "later"
                 note(f"state_dict_{which}_s", time.perf_counter() - t0)
-                note(f"pause_{which}_s", loader._sup.last_cut_s)
+                note(f"pause_{which}_s", loader._checkpoints.last_cut_s)
                 for part, seconds in getattr(loader._sup, "cut_parts", {}).items():  # older trees: none
                     note(f"part_{part}_s", seconds)
                 saved = state[rank_key(cfg.global_rank)]["rows"]

@@ -1,4 +1,4 @@
-"""What resuming a checkpoint on another ``num_writers`` costs (NOTE [ Elastic resume ] in trainer/elastic.py), for
+"""What resuming a checkpoint on another ``num_writers`` costs (NOTE [ Elastic resume ] in checkpoint/elastic.py), for
 each way of ``checkpoint_rows``, against resuming on the same layout:
 
     python -m gigashuffle.tools.bench.elastic --shuffle-size 262144 --rounds 2
@@ -7,7 +7,7 @@ Shards of tiny rows (``id`` int64, ``x`` float32[16]: 72 B) in a temporary direc
 ``gigashuffle.sources.Sharded``; one rank, 2 writers, 2 readers, bs 1024. A loader reads ``--batches`` batches and
 takes a checkpoint; a new loader of the same queue, with ``--writers-after`` writers or 2, is given it right after
 construction. Timed: its ``load_state_dict()`` (elastic by positions, the training process re-reads there the
-rows each old writer still owed: NOTE [ Positions across layouts ] in trainer/rereads.py) and its first batch.
+rows each old writer still owed: NOTE [ Positions across layouts ] in checkpoint/rereads.py) and its first batch.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.checkpoint.parts import rank_key
 from gigashuffle.sources.shards import PtReader, Sharded
-from gigashuffle.trainer.datasetstate import rank_key
 
 _BS, _CHUNK = 1024, 1024
 

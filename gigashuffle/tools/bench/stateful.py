@@ -1,6 +1,6 @@
 """``gigashuffle bench --checkpoint-rows``: the loader's steady state with a stateful dataset, whose writers track
 their commits and take ``state_dict()`` before each chunk, and with ``checkpoint_rows="positions"`` also stamp each
-row's origin and keep recent chunk states (NOTE [ Positions checkpoint ] in trainer/positions.py).
+row's origin and keep recent chunk states (NOTE [ Positions checkpoint ] in checkpoint/positions.py).
 
 ``none`` (the default) is the bench as always: a dataset without state. ``saved`` and ``positions`` wrap it in
 ``Stateful``; alternate them (A B A B) to see what origin tracking costs.

@@ -22,7 +22,7 @@ themselves ("rows way"), so any stateful dataset works. Every rank of the node c
      draws as they are, and no writer writes, so the listed rows stay what they were at the cut;
   6. copies the listed rows, one ``uint8 [n, row_bytes]`` tensor per field, into arrays allocated and faulted in
      before step 1, with the buffer itself (mapped with the slot table on that rank) faulted in before a loader's
-     first pause (trainer/savedrows.py, NOTE [ Faulting in before the pause ]). A ring batch listed is not handed
+     first pause (checkpoint/savedrows.py, NOTE [ Faulting in before the pause ]). A ring batch listed is not handed
      out before the copy (this thread does both), so its reader does not reuse its ring slot;
   7. waits at the barrier ``COPIED`` until every local rank copied, then resumes its writers. Training goes on
      from the same buffer: the cut changes nothing it delivers.
@@ -31,7 +31,7 @@ counted as its dataset's rows) before it reads its dataset on, and every writer 
 skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
 handed before it comes back. Batches handed out before the call count as consumed, whether or not the step that
 took them finished, unless the caller passes them as ``state_dict(unconsumed=[...])`` (a prefetching loop): their
-rows are read back from the batches and saved after the cut's (trainer/unconsumed.py). Not for ``fill_once`` or
+rows are read back from the batches and saved after the cut's (checkpoint/unconsumed.py). Not for ``fill_once`` or
 ``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
 (unpaused) and no row, and says so once per queue in a warning.
 Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``.
@@ -49,6 +49,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gigashuffle.checkpoint import positions
+from gigashuffle.checkpoint.cutstate import CutState
+from gigashuffle.checkpoint.savedrows import SavedRows
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
@@ -56,13 +59,13 @@ from gigashuffle.errors import CheckpointError
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.procs.zygoteclient import ChildProcess
-from gigashuffle.trainer import positions
-from gigashuffle.trainer.savedrows import SavedRows
 from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 _requests = itertools.count(1)
 _POLL_S = 0.02
+# How long a cut tries to map an unmapped slot table (each try waits up to 2 s for an attach socket).
+_TABLE_FOR_CUT_S = 5.0
 
 
 def exact(config: DataloaderConfig) -> bool:
@@ -73,12 +76,13 @@ def exact(config: DataloaderConfig) -> bool:
 
 def take(
     sup: Supervisor,
+    cuts: CutState,
     config: DataloaderConfig,
     number: int,
     timeout_s: float,
     handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> tuple[list[DatasetState], dict[str, Any]]:
-    """Checkpoint ``number``'s cut (``Supervisor.number_cut``): pause this rank's writers and readers (and, through
+    """Checkpoint ``number``'s cut (``CutState.next_number``): pause this rank's writers and readers (and, through
     the node barrier, wait for the node's other ranks to pause theirs), read the states and the undelivered rows,
     resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions)."""
     deadline = time.monotonic() + timeout_s
@@ -86,18 +90,18 @@ def take(
     if not pause:
         _warn_inexact(config)
     copy_buffer = config.local_rank == 0
-    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (trainer/savedrows.py).
+    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (checkpoint/savedrows.py).
     by_positions = pause and config.checkpoint_rows == "positions"  # it saves few rows: no arrays ahead
     saved = SavedRows(sup, copy_buffer=copy_buffer) if pause and not by_positions else None
     started = time.monotonic()  # the pause starts here
-    sup.start_cut(pause)
+    cuts.begin(pause)
     barrier = _barrier(sup, config) if pause else None
-    readers = _ReaderPause(sup, config, number)
+    readers = _ReaderPause(sup, cuts, config, number)
     marks: list[tuple[str, float]] = []
     try:
         # Readers are asked with the writers, not after them: the two waits overlap (a writer putting saved rows
         # back still answers when paused readers leave it no empty slot: it sends the rows left with its state).
-        answers = _writer_states(sup, config, deadline, pause, readers if pause else None)
+        answers = _writer_states(sup, cuts, config, deadline, pause, readers if pause else None)
         marks.append(("writers", time.monotonic()))
         if not pause:
             return answers, {}
@@ -105,9 +109,9 @@ def take(
         marks.append(("readers", time.monotonic()))
         _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
         if copy_buffer or by_positions:  # they list the buffer's rows: fail closed without its table
-            sup.table_for_cut(deadline)
+            _table_for_cut(sup, config, deadline)
         marks.append(("barrier", time.monotonic()))
-        if by_positions:  # NOTE [ Positions checkpoint ] in trainer/positions.py
+        if by_positions:  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
             answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)
             marks.append(("list", time.monotonic()))
         else:
@@ -125,13 +129,29 @@ def take(
         if pause:
             readers.resume()
             for child in sup.writers():
-                try:
-                    child.channel.send(Resume())
-                except OSError:
-                    continue  # dying: its successor starts unpaused
+                sup.send(child, Resume())  # a dying one's successor starts unpaused
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
-        sup.end_cut(started, readers.resumed_at, _parts(started, marks))
+        cuts.end(started, readers.resumed_at, _parts(started, marks))
+
+
+def _table_for_cut(sup: Supervisor, config: DataloaderConfig, deadline: float) -> None:
+    """Map the node's slot table, which the cut lists the buffer's rows from. Going on without it is right only
+    while no buffer exists (none published, none attached to by a child of this rank): then it holds no row. A
+    buffer whose table cannot be mapped by ``deadline`` fails the checkpoint, instead of a cut that silently saves
+    none of the buffer's rows."""
+    deadline = min(deadline, time.monotonic() + _TABLE_FOR_CUT_S)
+    while sup.table() is None:
+        if "hmac" not in sup.session.store.meta() and not any(c.attached for c in sup.children):
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"queue {config.queue_name!r} rank {config.global_rank}: the checkpoint cannot map the node's slot "
+                f"table (no process of the node answered on its attach socket in {_TABLE_FOR_CUT_S:.0f} s), so it "
+                "cannot save the buffer's rows; nothing was saved. See the log for the attach errors, and call "
+                "state_dict() again"
+            )
+        sup.pump(_POLL_S)
 
 
 def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
@@ -169,7 +189,12 @@ def _warn_inexact(config: DataloaderConfig) -> None:
 
 
 def _writer_states(
-    sup: Supervisor, config: DataloaderConfig, deadline: float, pause: bool, readers: _ReaderPause | None
+    sup: Supervisor,
+    cuts: CutState,
+    config: DataloaderConfig,
+    deadline: float,
+    pause: bool,
+    readers: _ReaderPause | None,
 ) -> list[DatasetState]:
     """Every writer's answer; a writer that dies before it answers is asked again once started again. ``readers``
     are asked to pause in the same rounds."""
@@ -180,16 +205,14 @@ def _writer_states(
             if child.index in answers or asked.get(child.index, (-1, 0))[0] == child.seq:
                 continue
             request = next(_requests)
-            try:
-                child.channel.send(StateRequest(request, pause))
-            except OSError:
+            if not sup.send(child, StateRequest(request, pause)):
                 continue  # it is dying: the zygote reports its exit and the supervisor starts it again
             asked[child.index] = (child.seq, request)
         if readers is not None:
             readers.ask()
         sup.pump(_POLL_S)
         for index, (_seq, request) in asked.items():
-            answer = sup.state_of(index)
+            answer = cuts.answer_of(index)
             if answer is not None and answer.request == request:
                 answers[index] = answer
         if time.monotonic() > deadline and len(answers) < config.num_writers:
@@ -206,19 +229,15 @@ class _ReaderPause:
     """Asks every reader of the rank to pause (once per spawned child), tells when all that hold rows have, and
     resumes them."""
 
-    def __init__(self, sup: Supervisor, config: DataloaderConfig, number: int) -> None:
-        self._sup, self._config, self._number = sup, config, number
+    def __init__(self, sup: Supervisor, cuts: CutState, config: DataloaderConfig, number: int) -> None:
+        self._sup, self._cuts, self._config, self._number = sup, cuts, config, number
         self._asked: set[int] = set()  # spawn seqs
         self._resumed: set[int] = set()
         self.resumed_at: float | None = None  # when the first Resume went out: the node's delivery pause ends
 
     def ask(self) -> None:
         for child in self._sup.readers():
-            if child.seq not in self._asked:
-                try:
-                    child.channel.send(Pause(self._number))
-                except OSError:
-                    continue
+            if child.seq not in self._asked and self._sup.send(child, Pause(self._number)):
                 self._asked.add(child.seq)
         if failpoints.ACTIVE:
             failpoints.reached("cut.readers_asked")
@@ -227,7 +246,7 @@ class _ReaderPause:
         while True:
             self.ask()
             # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
-            if all(self._sup.is_paused(c) for c in self._sup.readers() if c.ring is not None):
+            if all(self._cuts.is_paused(c) for c in self._sup.readers() if c.ring is not None):
                 return
             if time.monotonic() > deadline:
                 raise CheckpointError(
@@ -241,13 +260,8 @@ class _ReaderPause:
         if self.resumed_at is None:
             self.resumed_at = time.monotonic()
         for child in self._sup.readers():
-            if child.seq in self._resumed:
-                continue
-            try:
-                child.channel.send(Resume())
-            except OSError:
-                continue  # dying: its successor starts unpaused
-            self._resumed.add(child.seq)
+            if child.seq not in self._resumed and self._sup.send(child, Resume()):
+                self._resumed.add(child.seq)  # a dying one's successor starts unpaused
 
 
 def _parts(started: float, marks: list[tuple[str, float]]) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 A framework that fetches ahead (Lightning's fit loop takes batch N+1 before step N runs) has, at the checkpoint of
 step N, been handed one batch more than it trained on. ``state_dict(unconsumed=[batch])`` saves such batches' rows
-with the undelivered ones (NOTE [ Checkpoint cut ] in trainer/cut.py), so a resume brings them back once. The rows
+with the undelivered ones (NOTE [ Checkpoint cut ] in checkpoint/cut.py), so a resume brings them back once. The rows
 are read from the batch tensors themselves (on any device), so it works whether the batch is a zero-copy view of a
 ring slot, a copy, or already on a GPU.
 """

@@ -33,7 +33,7 @@ class _Writer:
     reports: deque[Progress] = field(default_factory=lambda: deque(maxlen=_KEPT_REPORTS))
     counter: SharedMemory | None = None
     saved: tuple[str, tuple[Any, ...]] = ("", ())  # a checkpoint's rows this writer puts back (NOTE [ Checkpoint cut ])
-    # (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ] in trainer/positions.py
+    # (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ] in checkpoint/positions.py
     positions: tuple[int, Any, int] | None = None
 
 

@@ -9,7 +9,7 @@ stream, kept across respawns and resumes (procs/positions.py). The writer stamps
 into its ring slot beside the rows. Each writer keeps its dataset's state before each of its recent chunks (the
 ``state_dict()`` it takes anyway before a fetch, NOTE [ Respawned writers ]): those of the chunks begun within
 ``KEEP_BUFFERS * shuffle_size`` of its own rows, the oldest dropped first.
-The cut is NOTE [ Checkpoint cut ] (trainer/cut.py) with step 4 changed. Each writer answers, besides its state,
+The cut is NOTE [ Checkpoint cut ] (checkpoint/cut.py) with step 4 changed. Each writer answers, besides its state,
 ``head`` (the stream row past every row it committed) and its kept states; once the node is paused each rank
   * reads the origins of the buffer's full slots and of its own announced-not-delivered batches;
   * for each of its writers collects the stream rows of that writer's lane that are at or after its oldest kept
@@ -25,13 +25,13 @@ The cut is NOTE [ Checkpoint cut ] (trainer/cut.py) with step 4 changed. Each wr
     delivered to a trainer (consumed) or are saved as rows by another rank.
 Batches passed as ``state_dict(unconsumed=[...])`` that are still the ring's zero-copy views are found in their
 ring slot by address (``traced``) and counted by their origins like undelivered ones; copies (a device, or a
-caller holding most of the ring) are saved as rows, as in the saved-rows way (trainer/unconsumed.py). A
+caller holding most of the ring) are saved as rows, as in the saved-rows way (checkpoint/unconsumed.py). A
 checkpoint taken while a writer still re-reads (its filter reaches past its head) carries the rest of that filter
-on. A respawned writer keeps its filter and continues its stream's numbering (trainer/resumepoints.py), and with
+on. A respawned writer keeps its filter and continues its stream's numbering (checkpoint/respawn.py), and with
 a filter its commit counter counts stream rows, so it writes exactly the rows its predecessor had not committed.
 Elastic resume: a re-split carries states and plain skips only, so ``load_state_dict`` first reads the rows of
 each writer's ``keep`` from its state in the training process and saves them as rows (NOTE [ Positions across
-layouts ] in trainer/rereads.py).
+layouts ] in checkpoint/rereads.py).
 Figures (docs/benchmarks.md, "Positions or saved rows" and "The origin column beside the version"): on tiny 16 B
 rows at ``shuffle_size`` 1M, half the state of saved rows but a longer pause and ``state_dict()``; origin
 tracking costs about 5% of a tiny row's CPU measured part by part (the end-to-end A B runs here are too noisy to
@@ -48,13 +48,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gigashuffle.checkpoint.savedrows import copy_rows
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
-from gigashuffle.trainer.savedrows import copy_rows
 from gigashuffle.trainer.supervisor import Supervisor
 
 _NONE = np.empty(0, dtype=np.int64)

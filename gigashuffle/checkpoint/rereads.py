@@ -1,10 +1,10 @@
 """An elastic resume of a checkpoint by positions: the rows its writers were to re-read, read here as saved rows.
 
 NOTE [ Positions across layouts ]
-A checkpoint by positions (NOTE [ Positions checkpoint ] in trainer/positions.py) gives each writer a state (at
+A checkpoint by positions (NOTE [ Positions checkpoint ] in checkpoint/positions.py) gives each writer a state (at
 stream row ``at``), the offsets after it of the unconsumed rows to write again (``keep``) and ``until``, from which
 it writes every row; its ``skip`` drops the first rows too (``procs/positions.folded``). A re-split over other
-writers (NOTE [ Elastic resume ] in trainer/elastic.py) moves states and plain skips only, so ``load_state_dict``
+writers (NOTE [ Elastic resume ] in checkpoint/elastic.py) moves states and plain skips only, so ``load_state_dict``
 turns each old writer's filter into what a re-split carries before re-splitting: it reads that writer's stream
 from its state in the training process, takes the rows of ``keep`` as saved rows (put back by the new ranks like
 any checkpoint's saved rows), and leaves a plain skip of ``max(until, skip)``. Every rank computes the same cut of

@@ -1,4 +1,4 @@
-"""The rows a checkpoint's cut saves (NOTE [ Checkpoint cut ] in trainer/cut.py), in arrays made ready before the
+"""The rows a checkpoint's cut saves (NOTE [ Checkpoint cut ] in checkpoint/cut.py), in arrays made ready before the
 pause, so that the copy takes no page fault.
 
 Before the pause (``SavedRows(...)``): the buffer is mapped and, on a loader's first checkpoint, faulted in

@@ -1,7 +1,7 @@
 """Resuming a checkpoint on another world size or ``num_writers``: the datasets' states re-split, the saved rows shared.
 
 NOTE [ Elastic resume ]
-A checkpoint is rank-keyed (trainer/datasetstate.py): each old rank's part holds its writers' dataset states, the
+A checkpoint is rank-keyed (checkpoint/parts.py): each old rank's part holds its writers' dataset states, the
 rows already written after each (``skip``) and the rows it had read and not delivered. When ``load_state_dict()``
 finds that the checkpoint's layout (``global_world_size``, ``num_writers``) is not the loader's, it needs every old
 rank's part (a merged dict: ``gathered_state_dict()`` or every rank's ``state_dict()`` merged) and a dataset that can
@@ -12,7 +12,7 @@ writers in global writer order (rank by rank), with their skips, and returns one
 old ranks, in rank order, are cut into ``global_world_size`` contiguous shares; new rank ``r`` puts back share
 ``r`` (its writer 0, as without a re-split), so each saved row comes back once in the job. A checkpoint by
 positions turns its writers' filters into saved rows and plain skips first (NOTE [ Positions across layouts ] in
-trainer/rereads.py). A dataset without
+checkpoint/rereads.py). A dataset without
 ``reshard_states`` gets a ``CheckpointError`` naming both layouts and what it must offer; nothing is loaded.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from gigashuffle.checkpoint import rereads
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
-from gigashuffle.trainer import rereads
 
 Part = dict[str, Any]  # a rank's checked part: {"writers": [...], "skip": [...], "rows": {...}}
 

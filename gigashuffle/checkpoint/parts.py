@@ -5,7 +5,7 @@ writer order, plus for each how many rows after that state were already written 
 respawned, or that has not yet re-read what it must not repeat: NOTE [ Respawned writers ] in procs/writer.py), the
 queue's name, and the rows read and not delivered with their count and CRC-32 (a truncated or tampered part is
 refused). A loader of another rank layout (world size, ``num_writers``) re-splits the states of every rank if the
-dataset offers ``reshard_states`` (NOTE [ Elastic resume ] in trainer/elastic.py). Every check runs in the training
+dataset offers ``reshard_states`` (NOTE [ Elastic resume ] in checkpoint/elastic.py). Every check runs in the training
 process before any writer is sent a state: a refused checkpoint loads nothing.
 
 The state is keyed by rank, ``{"rank<global_rank>": {...}}``, so the dicts of all ranks merge with ``dict.update``
@@ -23,15 +23,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from gigashuffle.checkpoint import cut, elastic, positions
+from gigashuffle.checkpoint.cutstate import CutState
+from gigashuffle.checkpoint.respawn import ResumePoints
+from gigashuffle.checkpoint.unconsumed import with_unconsumed
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import LoadState
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.sources import reshard_of
-from gigashuffle.trainer import cut, elastic, positions
 from gigashuffle.trainer.supervisor import Supervisor
-from gigashuffle.trainer.unconsumed import with_unconsumed
 
 # The checkpoint format each rank's part is written in (docs/checkpoint-format.md); a part without "format" is format
 # 0 (before the field existed: the same fields), which still loads. A newer one is refused, never guessed at.
@@ -48,6 +50,7 @@ def rank_key(global_rank: int) -> str:
 
 def collect(
     sup: Supervisor,
+    cuts: CutState,
     config: DataloaderConfig,
     number: int,
     timeout_s: float = REPLY_TIMEOUT_S,
@@ -55,16 +58,16 @@ def collect(
     handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> dict[str, Any]:
     """This rank's checkpoint: every writer's dataset state and the rows read and not delivered (NOTE
-    [ Checkpoint cut ] in trainer/cut.py).
+    [ Checkpoint cut ] in checkpoint/cut.py).
 
     A writer that dies before it answers (killed, OOM) is asked again once the supervisor has started it again:
     the new one answers from the state the trainer gave it (NOTE [ Respawned writers ]). Past ``timeout_s`` (or
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
-    answers, rows = cut.take(sup, config, number, timeout_s, handed)
-    if extra is not None:  # the rows of batches handed out and not trained on (trainer/unconsumed.py)
+    answers, rows = cut.take(sup, cuts, config, number, timeout_s, handed)
+    if extra is not None:  # the rows of batches handed out and not trained on (checkpoint/unconsumed.py)
         rows = with_unconsumed(rows, extra)
-    entries = [positions.entry_of(a) for a in answers]  # NOTE [ Positions checkpoint ] in trainer/positions.py
+    entries = [positions.entry_of(a) for a in answers]  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
     where = {"positions": [e for _s, e in entries]} if any(e is not None for _s, e in entries) else {}
     return {
         rank_key(config.global_rank): {
@@ -182,7 +185,7 @@ def _check_rows(key: str, rows: Any) -> None:
         )
 
 
-def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) -> None:
+def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, state: dict[str, Any]) -> None:
     """Check ``state`` against this rank's layout (re-split if it is another one) and the saved rows against the
     buffer's row layout, then send each writer its own state; a writer started later (a respawn) gets it in its
     spec. Nothing is sent before every check has passed."""
@@ -191,16 +194,15 @@ def restore(sup: Supervisor, config: DataloaderConfig, state: dict[str, Any]) ->
     if rows:
         _check_layout(sup, config, rows["layout"])
     restored: tuple[str, tuple[Any, ...]] = (rows["layout"], tuple(rows["fields"])) if rows else ("", ())
-    serials = sup.load_states(mine["writers"], mine["skip"], restored)
+    serials = resume.load(mine["writers"], mine["skip"], restored)
     starts = [positions.start_of(e) for e in mine.get("positions") or [None] * config.num_writers]
-    sup.resume.set_positions(starts)
+    resume.set_positions(starts)
+    sup.say_go(send=False)  # a LoadState says go; writers started later start going
     for child in sup.writers():
         i = child.index
         saved = restored if i == 0 else ("", ())
-        try:
-            child.channel.send(LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved, starts[i]))
-        except OSError:
-            continue  # it is dying: its successor starts from the state in its spec
+        # A dying one's successor starts from the state in its spec.
+        sup.send(child, LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved, starts[i]))
 
 
 def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -> None:
