@@ -14,11 +14,27 @@ again later). A run ends when every trainer has taken its checkpoint; then the c
 row handed to a trainer before its ``state_dict()`` plus every row the resume brings back (the saved rows, and
 each writer's stream from its saved state after its skip) must be the pass's rows, each exactly once.
 
-What is real and what is a model. Nothing here imports or runs gigashuffle's code: the real loops block on
-sockets, threads and ``flock``, and cannot be stopped between two steps. So every rule below is a transcription,
-and the comment at each names the lines it follows (as of commit deee634). The slot table is the model of
-tests/model/table.py, checked op by op against the real ``SlotTable`` by tests/unit/test_cut_explorer.py (the
-one part of the real code the tests drive). Where the model departs from the real code on purpose:
+Both ways of a checkpoint (``Config.positions``). Saved rows: NOTE [ Checkpoint cut ] (trainer/cut.py). By
+positions, NOTE [ Positions checkpoint ] (trainer/positions.py, procs/positions.py): each writer keeps a
+``Track`` (its base, the states before its recent chunks within ``keep_rows`` of its own rows, its filter, the
+current chunk's stream rows) as fields of ``Writer``, stamps each row's origin (lane, stream row) into the
+table's ``origin`` column, and answers a ``StateRequest`` with ``Track.answer`` (at, head, kept states, keep,
+until). The cut (``_cut_rows``, positions.cut_rows and _covered) collects per lane the stream rows at or after
+the oldest kept state from the full slots and the announced batches' origins, and saves every other row of its
+lanes (of any lane in its own rings; on local rank 0 rows of no lane) as a row; ``_entry_of`` is
+positions.entry_of; the resume (``check``) refuses an entry ``positions.checked`` would refuse, and else writes
+the rows of ``keep`` and every row from ``until`` on, from ``state`` taken as stream row ``at``. A run can itself
+start from a positions checkpoint (``resumed_filter``), so a writer's filter, its ``Track.select`` and a
+respawn's ``filtered_commits`` are explored too. The positions way has no LISTED barrier and resumes its readers
+only in the cut's ``finally`` (cut.take).
+
+What is real and what is a model. The real loops block on sockets, threads and ``flock``, and cannot be stopped
+between two steps, so they are transcribed: the comment at each rule names the code it follows (line numbers as
+of commit deee634; the positions way as of 392b28e, by function name). Real code driven here: the pure functions
+``folded`` and ``filtered_commits`` and the origin's encoding (``LANE_SHIFT``, ``ROW_MASK``, ``NO_ORIGIN``) of
+procs/positions.py. Checked against the real code op by op: the slot table of tests/model/table.py against
+``SlotTable`` (tests/unit/test_cut_explorer.py), the writer's ``Track`` fields against the real ``Track``
+(tests/unit/test_cut_explorer_track.py). Where the model departs from the real code on purpose:
 
 * datasets are finite (``rows`` rows in chunks of ``chunk``, state = rows fetched); a real pass starts again;
 * a writer's ``Progress`` report (resume.py:109-119, at most every 50 ms) is sent or not at each chunk, both
@@ -36,9 +52,13 @@ one part of the real code the tests drive). Where the model departs from the rea
   then the zygote's exit reports. A message sent while the real pump drains another channel is, here, sent
   just before or just after the pump;
 * a send to a killed child fails (EPIPE: cut.py:185-186, 220-221, 248-249); writers and readers always restart;
-* the rows way only (``checkpoint_rows="saved"``); not the positions way, ``unconsumed``, elastic loads, the
-  ``LoadState`` path of a running writer, nor a failure of Redis; a trainer never dies. With two trainers a
-  cut's barrier timeout (cutbarrier.py:336-337) is a step enabled while the other rank is not in that cut.
+* not modelled: ``state_dict(unconsumed=...)`` (the ``handed`` batches and copies saved as rows), elastic loads
+  (re-splits, rereads in the trainer), the ``LoadState`` path of a running writer (a resume is the start of a
+  run: ``saved``, ``resumed_filter``), a table the trainer cannot map (``table_for_cut`` fails closed), a failure
+  of Redis; a trainer never dies. With two trainers a cut's barrier timeout (cutbarrier.py) is a step enabled
+  while the other rank is not in that cut; the model's barrier is the Lua rule without the ``ahead`` refusal.
+  Two trainers with a Ctrl-C on one of them are not explored: the interrupted rank's second ``state_dict()``
+  has no partner (the ranks' checkpoint numbers drift, issue 32's fourth hole), so the model gets stuck.
 
 Size. The explored worlds grow fast: one rank with one writer and one reader, or two writers without kills,
 are explored whole in seconds (tests/unit/test_cut_explorer.py prints the figures); two ranks are explored only
@@ -46,7 +66,10 @@ up to a bound of worlds (``explore(bounded=True)``), from the start where the wr
 partial-order reduction is done; the memo of seen worlds is what keeps the search finite.
 
 Mutations (each a flag of ``Config``) put back a bug the real code had or could have; the tests assert that the
-explorer finds each (a failing interleaving, printed as a trace) and none without them.
+explorer finds each (a failing interleaving, printed as a trace) and none without them, in each way where it
+can matter: (a) the first-mix wait answers from the chunk's start, by positions only with a filter (else the
+rows past the answered head are found, dropped from ``keep`` and read again: once); (e) LISTED does not exist in
+the positions way.
 """
 
 from __future__ import annotations
@@ -55,6 +78,7 @@ import bisect
 import functools
 import itertools
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -1079,6 +1103,7 @@ class Result(NamedTuple):
     seconds: float
     counterexample: list[str] | None  # the trace of a failing run, its last line says what failed
     complete: bool = True  # every reachable world was explored
+    interleavings: int | None = None  # step sequences from the start to a checked end (complete explorations)
 
 
 def successors(cfg: Config, w: World) -> list[tuple[str, World | ModelError]]:
@@ -1117,32 +1142,44 @@ def writers_first(cfg: Config) -> World:
 
 def explore(
     cfg: Config, max_states: int = 2_000_000, bounded: bool = False, trainers_first: bool = False,
-    start: World | None = None,
+    start: World | None = None, seed: int | None = None,
 ) -> Result:  # fmt: skip
     """Depth-first over every interleaving (each world expanded once); stops at the first counterexample. Past
     ``max_states`` raise, or with ``bounded`` stop there (a partial exploration: ``Result.complete`` is False).
     ``trainers_first``: try the trainers' steps first (the order only decides which counterexample comes first).
-    ``start``: explore from this world instead of ``initial(cfg)``.
+    ``start``: explore from this world instead of ``initial(cfg)``. ``seed``: try each world's steps in an order
+    drawn from ``random.Random(seed)`` (deterministic; a bounded search so reaches kills at other steps than the
+    first ones). A complete exploration also counts the interleavings: the step sequences from the start to a
+    checked end (``Result.interleavings``; every world's successors are kept for it, and None if there is a cycle).
     """
+    rng = random.Random(seed) if seed is not None else None
 
     def successors_in_order(w: World) -> list[tuple[str, World | ModelError]]:
         following = successors(cfg, w)
+        if rng is not None:
+            rng.shuffle(following)
         return following[::-1] if trainers_first else following
 
     started = time.monotonic()
     first = initial(cfg) if start is None else start
-    seen = {first}
-    stack: list[tuple[Iterator[tuple[str, World | ModelError]], str]] = [(iter(successors_in_order(first)), "")]
+    seen = {first: 0}  # every world seen, numbered
+    # per frame: the steps left to try, the step's name, its world's number, the worlds one step away (numbers)
+    Frame = tuple[Iterator[tuple[str, World | ModelError]], str, int, list[int]]
+    stack: list[Frame] = [(iter(successors_in_order(first)), "", 0, [])]
     transitions = runs = kills = interrupts = 0
+    ways: dict[int, int] = {}  # interleavings from a world to a checked end
+    cycle = False
 
     def fail(last: str, why: str) -> Result:
-        path = [name for _it, name in stack[1:]] + [last, f"FAILED: {why}"]
+        path = [frame[1] for frame in stack[1:]] + [last, f"FAILED: {why}"]
         return Result(len(seen), transitions, runs, kills, interrupts, time.monotonic() - started, path)
 
     while stack:
         step = next(stack[-1][0], None)
         if step is None:
-            stack.pop()
+            _it, _name, done, after = stack.pop()
+            cycle = cycle or any(a not in ways for a in after)  # one still on the stack: a cycle
+            ways[done] = sum(ways.get(a, 0) for a in after)
             continue
         name, nxt = step
         if isinstance(nxt, ModelError):
@@ -1150,9 +1187,11 @@ def explore(
         transitions += 1
         kills += name.startswith("SIGKILL")
         interrupts += "KeyboardInterrupt" in name
-        if nxt in seen:
+        known = len(seen)
+        number = seen.setdefault(nxt, known)
+        stack[-1][3].append(number)
+        if number < known:
             continue
-        seen.add(nxt)
         if len(seen) > max_states:
             if bounded:
                 return Result(len(seen), transitions, runs, kills, interrupts, time.monotonic() - started, None, False)
@@ -1162,12 +1201,51 @@ def explore(
             problem = check(cfg, nxt)
             if problem is not None:
                 return fail(name, f"after the resume: {problem}")
+            ways[number] = 1
             continue
         following = successors_in_order(nxt)
         if not following:
             return fail(name, f"stuck: {_describe(nxt)}")
-        stack.append((iter(following), name))
-    return Result(len(seen), transitions, runs, kills, interrupts, time.monotonic() - started, None)
+        stack.append((iter(following), name, number, []))
+    count = None if cycle else ways[0]
+    return Result(len(seen), transitions, runs, kills, interrupts, time.monotonic() - started, None, True, count)
+
+
+def sweep(cfg: Config, seed: int, bound: int, start: World | None = None) -> Result:
+    """A kill (or Ctrl-C) at each step of one schedule, each followed by every interleaving up to ``bound``
+    worlds: for configurations too large to explore whole, where a bounded depth-first search would spend its
+    bound below the first kill it takes. The schedule is a walk without kills or Ctrl-Cs, each step drawn from
+    ``random.Random(seed)``; at each world on it every kill and Ctrl-C step enabled is taken and explored from."""
+    rng = random.Random(seed)
+    w = initial(cfg) if start is None else start
+    began = time.monotonic()
+    path: list[str] = []
+    states = transitions = runs = kills = interrupts = 0
+    while not all(t.pc == "done" for t in w.trainers):
+        following = successors(cfg, w)
+        calm = []
+        for name, nxt in following:
+            if isinstance(nxt, ModelError):
+                return Result(states, transitions, runs, kills, interrupts, 0.0, [*path, name, f"FAILED: {nxt}"])
+            if not (name.startswith("SIGKILL") or "KeyboardInterrupt" in name):
+                calm.append((name, nxt))
+                continue
+            kills += name.startswith("SIGKILL")
+            interrupts += "KeyboardInterrupt" in name
+            r = explore(cfg, max_states=bound, bounded=True, start=nxt)
+            states, transitions, runs = states + r.states, transitions + r.transitions + 1, runs + r.runs
+            kills, interrupts = kills + r.kills, interrupts + r.interrupts  # a Ctrl-C after a kill, or a kill after one
+            if r.counterexample is not None:
+                return Result(states, transitions, runs, kills, interrupts, 0.0, [*path, name, *r.counterexample])
+        if not calm:
+            return Result(states, transitions, runs, kills, interrupts, 0.0, [*path, f"FAILED: stuck: {_describe(w)}"])
+        name, nxt = calm[rng.randrange(len(calm))]
+        assert isinstance(nxt, World)
+        path.append(name)
+        w, transitions = nxt, transitions + 1
+    problem = check(cfg, w)
+    trace = None if problem is None else [*path, f"FAILED: after the resume: {problem}"]
+    return Result(states, transitions, runs + 1, kills, interrupts, time.monotonic() - began, trace, False)
 
 
 def _describe(w: World) -> str:
@@ -1181,6 +1259,8 @@ def report(name: str, r: Result) -> str:
         f"{name}: {r.states} states, {r.transitions} steps, {r.runs} final worlds checked, {r.kills} kill steps, "
         f"{r.interrupts} interrupt steps, {r.seconds:.1f} s{'' if r.complete else ' (bounded: not complete)'}"
     )
+    if r.interleavings is not None:
+        line += f", {r.interleavings:.3g} interleavings"
     if r.counterexample is not None:
         line += "\ncounterexample:\n  " + "\n  ".join(r.counterexample)
     return line

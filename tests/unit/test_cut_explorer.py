@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from model import table as tm
-from model.cutmodel import Config, Result, explore, report, writers_first
+from model.cutmodel import Config, Result, explore, report, sweep, writers_first
 
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, WRITING, SlotTable
 
@@ -46,12 +46,14 @@ EXACT = [
     ("two writers under the first mix", dict(**MIX)),
 ]
 EXACT_POSITIONS = [
-    # keep_rows=1: the oldest kept state is dropped once the next chunk begins, so a row still in the buffer is
-    # older than every kept state and is saved as a row.
-    ("kept states reach one row back, a kill", dict(**ONE, kills=1, interrupts=0, keep_rows=1)),
-    ("a resumed filter (row 0 consumed), a kill", dict(ONE, rows=3, kills=1, interrupts=0, resumed_filter=SKIPS_ROW_0)),
+    # A run resumed from a positions checkpoint (row 0 consumed before it) whose writer keeps only the state of
+    # its last chunk (keep_rows=1): a row still in the buffer from an older chunk is saved as a row. A kill of
+    # any child at any step: a respawn maps its lane's count of rows written through the filter.
+    (
+        "a resumed filter, one kept state, a kill",
+        dict(ONE, rows=3, keep_rows=1, kills=1, interrupts=0, resumed_filter=SKIPS_ROW_0),
+    ),
     ("a resumed filter, a Ctrl-C", dict(ONE, rows=3, kills=0, interrupts=1, resumed_filter=SKIPS_ROW_0)),
-    ("a resumed filter under the first mix", dict(**MIX, resumed_filter=KEEPS_ALL)),
 ]
 
 
@@ -71,28 +73,33 @@ def test_every_interleaving_by_positions(name: str, config: dict[str, Any]) -> N
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize(
-    ("name", "extra", "bound"),
-    [("two trainers", {}, 25_000), ("two trainers, a kill", {"kills": 1}, 10_000)],
-    ids=["two trainers", "a kill"],
-)
-def test_two_trainers_of_one_node_bounded(name: str, extra: dict[str, Any], bound: int, way: dict[str, Any]) -> None:
-    """Two ranks' product is too large to explore whole in a unit test: the first worlds up to a bound, from the
-    start where both writers filled the buffer (the ranks' cuts in every order from there)."""
-    cfg = Config(**{**TWO, **extra}, **way)
-    label = f"{name} ({'positions' if way['positions'] else 'saved'}, bounded)"
-    result = _explored(label, explore(cfg, max_states=bound, bounded=True, start=writers_first(cfg)))
+def test_two_trainers_of_one_node_bounded(way: dict[str, Any]) -> None:
+    """Two ranks' product is too large to explore whole in a unit test: the first 15,000 worlds, from the start
+    where both writers filled the buffer (the ranks' cuts in every order from there)."""
+    cfg = Config(**TWO, **way)
+    label = f"two trainers ({'positions' if way['positions'] else 'saved'}, bounded)"
+    result = _explored(label, explore(cfg, max_states=15_000, bounded=True, start=writers_first(cfg)))
     assert result.counterexample is None, report(label, result)
     assert result.runs > 0
 
 
-def test_a_kill_and_a_ctrl_c_in_one_run_bounded() -> None:
-    """A kill of any child and a Ctrl-C in the same run, both ways: bounded (the whole is ~10^6 worlds)."""
-    for way in (SAVED, POSITIONS):
-        label = f"a kill and a Ctrl-C ({'positions' if way['positions'] else 'saved'}, bounded)"
-        result = _explored(label, explore(Config(**ONE, kills=1, interrupts=1, **way), max_states=15_000, bounded=True))
-        assert result.counterexample is None, report(label, result)
-        assert result.runs > 0
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize(
+    ("name", "config", "bound"),
+    [
+        ("two trainers, a kill", dict(TWO, kills=1), 150),
+        ("a kill and a Ctrl-C in one run", dict(ONE, kills=1, interrupts=1), 800),
+    ],
+    ids=["two trainers, a kill", "a kill and a Ctrl-C"],
+)
+def test_a_kill_at_each_step_of_a_schedule(name: str, config: dict[str, Any], bound: int, way: dict[str, Any]) -> None:
+    """Too large to explore whole (a bounded depth-first search spends its bound below its first kill): a kill of
+    each child (and a Ctrl-C) at each step of one seeded schedule, each followed by every interleaving up to
+    ``bound`` worlds (the rest of the run, with the Ctrl-C or kill not yet used anywhere in it)."""
+    label = f"{name} ({'positions' if way['positions'] else 'saved'}, a kill at each step of a schedule)"
+    result = _explored(label, sweep(Config(**config, **way), seed=32, bound=bound))
+    assert result.counterexample is None, report(label, result)
+    assert result.kills > 0
 
 
 # The mutation table (issue 32, item 7): each mutation of the model must be found in the way(s) named.
