@@ -109,6 +109,9 @@ class Config(NamedTuple):
     kills: int = 1  # SIGKILLs per run, of any writer or reader, at any step
     interrupts: int = 1  # KeyboardInterrupts per run, at any step of a trainer's cut
     checkpoints: int = 1  # checkpoints each trainer takes (one more after each aborted cut)
+    # A KeyboardInterrupt also between the statements of the cut's ``finally`` (no critical section covers it):
+    # the rest of the finally is skipped (readers or writers left paused, CutState.end not run).
+    finally_interrupts: bool = False
     # A bound for two trainers: a trainer that has a checkpoint to take takes it before it pumps or delivers
     # anything (its children still move in every order before and during its cut).
     eager_cut: bool = False
@@ -788,6 +791,7 @@ def _on_death(cfg: Config, w: World, t: Trainer, c: Writer) -> Trainer:
 
 
 _PHASE = {"b_paused": PAUSED, "b_listed": LISTED, "b_copied": COPIED}
+_FINALLY_PCS = ("finally", "f_writers", "f_end")
 _CUT_PCS = ("c_ask", "r_wait", "b_paused", "list", "plist", "b_listed", "r_resume", "copy", "b_copied")
 
 
@@ -825,6 +829,8 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         t = t._replace(inbox=t.inbox[1:], delivered=tuple(sorted((*t.delivered, *rows))))
         w, _ok = _send(_put_trainer(w, t), seq, ("FreeSlot", (k,)))
         return w
+    if action == "interrupt" and t.pc in _FINALLY_PCS:  # inside the finally: the rest of it is skipped
+        return _put_trainer(w._replace(interrupts=w.interrupts - 1), t._replace(pc="train"))
     if action == "interrupt":  # a KeyboardInterrupt: cut.take's finally
         return _put_trainer(w._replace(interrupts=w.interrupts - 1), t._replace(pc="finally", failed=True))
     if action == "timeout":  # NodeBarrier.wait past its deadline: CheckpointError, the same finally
@@ -888,13 +894,21 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         return _put_trainer(w, t._replace(rows=tuple(r for r in copied if r is not None), pc="b_copied"))
     if pc == "b_copied":
         return _barrier(cfg, w, t, COPIED, "finally", cfg.skip_copied)
-    if pc == "finally":  # cut.py:124-134
+    if pc == "finally":  # cut.take's finally: readers.resume()
         w, t = _resume_readers(w, t)
+        if cfg.finally_interrupts:  # the finally's statements as steps: a Ctrl-C may land between them
+            return _put_trainer(w, t._replace(pc="f_writers"))
+        pc = "f_writers"
+    if pc == "f_writers":  # Resume to every writer, then Go when the loader goes
         for c in _live(w, rank, Writer):
             w, _ok = _send(w, c.seq, ("Resume",))
         if t.go:  # writers started during the cut started held
             for c in _live(w, rank, Writer):
                 w, _ok = _send(w, c.seq, ("Go",))
+        if cfg.finally_interrupts:
+            return _put_trainer(w, t._replace(pc="f_end"))
+        pc = "f_end"
+    if pc == "f_end":  # CutState.end: children start unpaused, the paused readers are forgotten; collect's entries
         t = t._replace(cutting=False, paused=frozenset())
         if not t.failed:  # datasetstate.collect: entry_of per answer
             by_lane: dict[int, tuple[int, ...]] = dict(t.listed) if cfg.positions else {}
@@ -1014,7 +1028,7 @@ def moves(cfg: Config, w: World) -> Iterator[Move]:
             yield f"t{r} deliver {t.inbox[0]}", lambda r=r: _trainer_step(cfg, w, r, "deliver")  # type: ignore[misc]
         if t.pc != "train" or t.cuts_left:
             yield f"t{r} {t.pc} (cut {t.number})", lambda r=r: _trainer_step(cfg, w, r, "step")  # type: ignore[misc]
-        if t.pc in _CUT_PCS and w.interrupts:
+        if (t.pc in _CUT_PCS or (cfg.finally_interrupts and t.pc in _FINALLY_PCS)) and w.interrupts:
             yield f"t{r} KeyboardInterrupt at {t.pc}", lambda r=r: _trainer_step(cfg, w, r, "interrupt")  # type: ignore[misc]
         waiting = t.pc in _PHASE and cfg.trainers > 1 and cfg.interrupts > 0  # only an aborted cut leaves one
         if waiting and _barrier_missing(cfg, w, r, t.number, _PHASE[t.pc]) and not _skipped(cfg, t.pc):
