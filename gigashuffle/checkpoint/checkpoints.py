@@ -19,6 +19,7 @@ from gigashuffle.checkpoint.unconsumed import unconsumed_rows
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.procs.messages import Attached, DatasetState, Pause, Paused, Progress
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.trainer.supervisor import Supervisor
 
 
@@ -40,7 +41,7 @@ class Checkpoints:
         sup.on_close(self.resume.close)
 
     # -- WriterStarts (trainer/childspecs.py) ----------------------------------------------------------------
-    def start_of(self, index: int) -> tuple[Any, int, int, tuple[str, tuple[Any, ...]]]:
+    def start_of(self, index: int) -> tuple[Any, int, int, RowBlock]:
         return self.resume.start_of(index)
 
     def positions_of(self, index: int) -> tuple[int, Any, int] | None:
@@ -57,7 +58,7 @@ class Checkpoints:
         handed: list[Any] = []
         if isinstance(unconsumed, (list, tuple)) and self.config.checkpoint_rows == "positions":
             handed, unconsumed = positions.traced(unconsumed, sup)  # views of ring slots: counted by origin
-        extra = unconsumed_rows(unconsumed, sup) if unconsumed else None
+        extra = unconsumed_rows(unconsumed, sup) if unconsumed else RowBlock()
         return parts.collect(sup, self.cuts, self.config, number, extra=extra, handed=handed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -47,7 +47,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from gigashuffle.checkpoint import positions
 from gigashuffle.checkpoint.cutstate import CutState
@@ -59,6 +58,7 @@ from gigashuffle.errors import CheckpointError
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.trainer.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def take(
     number: int,
     timeout_s: float,
     handed: Sequence[tuple[ChildProcess, int]] = (),
-) -> tuple[list[DatasetState], dict[str, Any]]:
+) -> tuple[list[DatasetState], RowBlock]:
     """Checkpoint ``number``'s cut (``CutState.next_number``): pause this rank's writers and readers (and, through
     the node barrier, wait for the node's other ranks to pause theirs), read the states and the undelivered rows,
     resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions)."""
@@ -104,7 +104,7 @@ def take(
         answers = _writer_states(sup, cuts, config, deadline, pause, readers if pause else None)
         marks.append(("writers", time.monotonic()))
         if not pause:
-            return answers, {}
+            return answers, RowBlock()
         readers.wait(deadline)
         marks.append(("readers", time.monotonic()))
         _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)

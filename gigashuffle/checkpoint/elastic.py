@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from gigashuffle.checkpoint import rereads
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
+from gigashuffle.rowblock import RowBlock
 
-Part = dict[str, Any]  # a rank's checked part: {"writers": [...], "skip": [...], "rows": {...}}
+Part = dict[str, Any]  # a rank's checked part: {"writers": [...], "skip": [...], "rows": RowBlock, "positions"}
 
 
 def layout_of(part: Any) -> tuple[Any, Any]:
@@ -78,7 +77,7 @@ def reshard(
     parts = [check(k, state[k], writers) for k in keys]
     states = [s for p in parts for s in p["writers"]]
     skips: list[int] = []
-    segments: list[rereads.Rows | rereads.Kept] = []  # every saved row of the job, in rank order
+    segments: list[RowBlock | rereads.Kept] = []  # every saved row of the job, in rank order
     for rank, (key, part) in enumerate(zip(keys, parts, strict=True)):
         # NOTE [ Positions across layouts ]; each old writer's rows re-read as that writer (its worker id)
         part_skips, kept = rereads.fold(dataset, key, part, rank * writers, world * writers)
@@ -94,17 +93,5 @@ def reshard(
     return {
         "writers": new[first : first + config.num_writers],
         "skip": [0] * config.num_writers,
-        "rows": _joined(rereads.share(segments, config.global_rank, config.global_world_size)),
+        "rows": RowBlock.joined(rereads.share(segments, config.global_rank, config.global_world_size)),
     }
-
-
-def _joined(pieces: list[rereads.Rows]) -> rereads.Rows:
-    """One saved-rows dict of ``pieces`` (this rank's share of every old rank's rows, in order)."""
-    if not pieces:
-        return {}
-    layouts = {rows["layout"] for rows in pieces}
-    if len(layouts) > 1:
-        raise CheckpointError("load_state_dict: the old ranks' saved rows have different layouts; the checkpoint "
-                              "mixes parts of different jobs")  # fmt: skip
-    columns = zip(*(rows["fields"] for rows in pieces), strict=True)
-    return {"layout": layouts.pop(), "fields": [torch.cat(list(column)) for column in columns]}

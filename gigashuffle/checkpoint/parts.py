@@ -16,21 +16,17 @@ into one (what ``torch.distributed.checkpoint`` and frameworks that save from ra
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
-import torch
 
 from gigashuffle.checkpoint import cut, elastic, positions
 from gigashuffle.checkpoint.cutstate import CutState
 from gigashuffle.checkpoint.respawn import ResumePoints
-from gigashuffle.checkpoint.unconsumed import with_unconsumed
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import LoadState
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.rowblock import NO_ROWS, RowBlock
 from gigashuffle.schema import Layout
 from gigashuffle.sources import reshard_of
 from gigashuffle.trainer.supervisor import Supervisor
@@ -54,7 +50,7 @@ def collect(
     config: DataloaderConfig,
     number: int,
     timeout_s: float = REPLY_TIMEOUT_S,
-    extra: tuple[str, list[np.ndarray[Any, Any]]] | None = None,
+    extra: RowBlock = NO_ROWS,
     handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> dict[str, Any]:
     """This rank's checkpoint: every writer's dataset state and the rows read and not delivered (NOTE
@@ -64,9 +60,9 @@ def collect(
     the new one answers from the state the trainer gave it (NOTE [ Respawned writers ]). Past ``timeout_s`` (or
     once the writer is out of restarts, ``WorkerDied``) this raises instead of hanging.
     """
-    answers, rows = cut.take(sup, cuts, config, number, timeout_s, handed)
-    if extra is not None:  # the rows of batches handed out and not trained on (checkpoint/unconsumed.py)
-        rows = with_unconsumed(rows, extra)
+    answers, cut_rows = cut.take(sup, cuts, config, number, timeout_s, handed)
+    # After the cut's rows: those of batches handed out and not trained on (checkpoint/unconsumed.py).
+    rows = RowBlock.joined([cut_rows, extra])
     entries = [positions.entry_of(a) for a in answers]  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
     where = {"positions": [e for _s, e in entries]} if any(e is not None for _s, e in entries) else {}
     return {
@@ -79,19 +75,9 @@ def collect(
             "writers": [s for s, _e in entries],
             "skip": [0 if e is not None else a.skip for a, (_s, e) in zip(answers, entries, strict=True)],
             **where,
-            "rows": {**rows, "count": int(rows["fields"][0].shape[0]), "crc32": rows_crc(rows["fields"])}
-            if rows
-            else {},
+            "rows": rows.to_part(),
         }
     }
-
-
-def rows_crc(fields: list[torch.Tensor]) -> int:
-    """CRC-32 of the saved rows' bytes, field after field."""
-    crc = 0
-    for field in fields:
-        crc = zlib.crc32(field.contiguous().numpy().data, crc)  # the buffer itself: no copy of the rows
-    return crc
 
 
 def own_part(config: DataloaderConfig, state: dict[str, Any], dataset: Any = None) -> dict[str, Any]:
@@ -150,39 +136,9 @@ def _checked(config: DataloaderConfig, key: str, part: Any, num_writers: int) ->
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in skip)
     ):
         raise CheckpointError(f"load_state_dict: {key}['skip'] must list {num_writers} ints >= 0, got {skip!r}")
-    rows = part.get("rows") or {}
-    if rows:
-        _check_rows(key, rows)
+    rows = RowBlock.from_part(key, part.get("rows"))
     where = positions.checked(key, part.get("positions"), num_writers)
     return {"writers": writers, "skip": skip, "rows": rows, "positions": where}
-
-
-def _check_rows(key: str, rows: Any) -> None:
-    fields = rows.get("fields") if isinstance(rows, dict) else None
-    if (
-        not isinstance(rows.get("layout"), str)
-        or not isinstance(fields, list)
-        or not fields
-        or not all(isinstance(f, torch.Tensor) and f.dtype == torch.uint8 and f.dim() == 2 for f in fields)
-        or len({int(f.shape[0]) for f in fields}) > 1
-    ):
-        raise CheckpointError(
-            f"load_state_dict: {key}['rows'] must be {{'layout': str, 'fields': [uint8 tensor [n, row_bytes] per "
-            "field, all with the same n], 'count': n, 'crc32': int}} as state_dict() saved it; the checkpoint is "
-            "damaged"
-        )
-    n = int(fields[0].shape[0])
-    if rows.get("count") != n:
-        raise CheckpointError(
-            f"load_state_dict: {key}['rows'] holds {n} rows but the checkpoint saved {rows.get('count')!r}: it is "
-            "truncated or damaged; load an intact copy"
-        )
-    crc = rows_crc(fields)
-    if rows.get("crc32") != crc:
-        raise CheckpointError(
-            f"load_state_dict: {key}['rows'] does not match its checksum (crc32 {crc} != saved "
-            f"{rows.get('crc32')!r}): the saved rows were altered or damaged; load an intact copy"
-        )
 
 
 def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, state: dict[str, Any]) -> None:
@@ -190,19 +146,18 @@ def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, sta
     buffer's row layout, then send each writer its own state; a writer started later (a respawn) gets it in its
     spec. Nothing is sent before every check has passed."""
     mine = own_part(config, state, sup.dataset)
-    rows = mine["rows"]
-    if rows:
-        _check_layout(sup, config, rows["layout"])
-    restored: tuple[str, tuple[Any, ...]] = (rows["layout"], tuple(rows["fields"])) if rows else ("", ())
-    serials = resume.load(mine["writers"], mine["skip"], restored)
+    rows: RowBlock = mine["rows"]
+    if len(rows):
+        _check_layout(sup, config, rows.layout_json)
+    serials = resume.load(mine["writers"], mine["skip"], rows)
     starts = [positions.start_of(e) for e in mine.get("positions") or [None] * config.num_writers]
     resume.set_positions(starts)
     sup.say_go(send=False)  # a LoadState says go; writers started later start going
     for child in sup.writers():
         i = child.index
-        saved = restored if i == 0 else ("", ())
-        # A dying one's successor starts from the state in its spec.
-        sup.send(child, LoadState(mine["writers"][i], mine["skip"][i], serials[i], *saved, starts[i]))
+        # Writer 0 puts the rows back. A dying one's successor starts from the state in its spec.
+        saved = rows if i == 0 else RowBlock()
+        sup.send(child, LoadState(mine["writers"][i], mine["skip"][i], serials[i], saved, starts[i]))
 
 
 def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -> None:

@@ -55,6 +55,7 @@ from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.trainer.supervisor import Supervisor
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -123,9 +124,9 @@ def cut_rows(
     answers: list[DatasetState],
     copy_buffer: bool,
     handed: Sequence[tuple[ChildProcess, int]] = (),
-) -> tuple[list[DatasetState], dict[str, Any]]:
+) -> tuple[list[DatasetState], RowBlock]:
     """Step 4 of the cut by positions: the writers' answers re-based (state at ``at``, the unconsumed rows found)
-    and the rows that must be saved as rows (``{"layout", "fields"}`` or ``{}``); ``handed``: batches handed out
+    and the rows that must be saved as rows; ``handed``: batches handed out
     and passed back as unconsumed, in their ring slots (``traced``)."""
     by_lane = {lane_of(config.local_rank, config.num_writers, a.index): a for a in answers}
     kept = {lane: a.positions["retained"] for lane, a in by_lane.items() if a.positions}
@@ -134,9 +135,9 @@ def cut_rows(
     pieces: list[list[Any]] = []  # per source, per field: rows to save
     layout_json = ""
     for answer in answers:  # a checkpoint's saved rows a writer had not put back yet
-        if answer.rows and len(answer.rows[0]):
-            pieces.append([np.asarray(f) for f in answer.rows])
-            layout_json = answer.layout_json
+        if len(answer.rows):
+            pieces.append([np.asarray(f) for f in answer.rows.fields])
+            layout_json = answer.rows.layout_json
     for child, k in [*sup.inbox.waiting(), *handed]:
         if child.ring is None:
             raise AssertionError("a batch announced by a reader without a ring")
@@ -166,11 +167,11 @@ def cut_rows(
     rebased = [_found(a, lane, found) for lane, a in by_lane.items()]
     total = len(ids) + sum(len(p[0]) for p in pieces)
     if not total:
-        return rebased, {}
+        return rebased, RowBlock()
     widths = [s.row_bytes for s in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
     views = [np.empty((total, width), dtype=np.uint8) for width in widths]
     copy_rows(views, buffer, ids, pieces)
-    return rebased, {"layout": layout_json, "fields": [torch.from_numpy(v) for v in views]}
+    return rebased, RowBlock(layout_json, tuple(torch.from_numpy(v) for v in views))
 
 
 def _found(answer: DatasetState, lane: int, found: dict[int, list[Any]]) -> DatasetState:

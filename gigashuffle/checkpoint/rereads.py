@@ -27,11 +27,10 @@ import torch
 
 from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.workerinfo import standing_in_for
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.schema import Layout
 
 log = logging.getLogger(__name__)
-
-Rows = dict[str, Any]  # saved rows: {"layout": str, "fields": [uint8 tensor [n, bytes] per field]} or {}
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class Kept:
     """The rows an old writer was to re-read: stream offsets after its state, and how to read them."""
 
     count: int
-    read: Callable[[], Rows]
+    read: Callable[[], RowBlock]
 
 
 def fold(
@@ -65,7 +64,7 @@ def fold(
     return skips, kept
 
 
-def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, worker: tuple[int, int]) -> Rows:
+def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, worker: tuple[int, int]) -> RowBlock:
     """Rows ``offsets`` (sorted) of the stream of a copy of ``dataset`` loaded with ``state``, read as the old
     writer ``worker`` (its id, of how many) that wrote it: a dataset that shards by ``get_worker_info()``."""
     source = copy.deepcopy(dataset)
@@ -73,7 +72,7 @@ def _read(dataset: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, wor
         return _read_as_worker(source, state, offsets, who, dataset)
 
 
-def _read_as_worker(source: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, dataset: Any) -> Rows:
+def _read_as_worker(source: Any, state: Any, offsets: np.ndarray[Any, Any], who: str, dataset: Any) -> RowBlock:
     source.load_state_dict(copy.deepcopy(state))
     picked: list[list[torch.Tensor]] = []
     layout: Layout | None = None
@@ -100,21 +99,21 @@ def _read_as_worker(source: Any, state: Any, offsets: np.ndarray[Any, Any], who:
     if layout is None:
         raise AssertionError("rows read without a layout")
     log.info("elastic resume: read %d rows of %s's stream again to keep %d of them", offset, who, len(offsets))
-    return {"layout": layout.to_json(), "fields": [torch.cat(list(column)) for column in zip(*picked, strict=True)]}
+    return RowBlock(layout.to_json(), tuple(torch.cat(list(column)) for column in zip(*picked, strict=True)))
 
 
-def share(segments: list[Rows | Kept], rank: int, world: int) -> list[Rows]:
+def share(segments: list[RowBlock | Kept], rank: int, world: int) -> list[RowBlock]:
     """Share ``rank`` of ``world`` of the segments' rows in order: ``world`` contiguous shares of the concatenated
     rows, reading only the kept rows that fall in this one."""
-    counts = [s.count if isinstance(s, Kept) else (int(s["fields"][0].shape[0]) if s else 0) for s in segments]
+    counts = [s.count if isinstance(s, Kept) else len(s) for s in segments]
     bounds = np.linspace(0, sum(counts), world + 1).astype(np.int64)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    mine: list[Rows] = []
+    mine: list[RowBlock] = []
     start = 0
     for segment, count in zip(segments, counts, strict=True):
         a, b = max(lo, start), min(hi, start + count)
         if a < b:
             rows = segment.read() if isinstance(segment, Kept) else segment
-            mine.append({**rows, "fields": [f[a - start : b - start] for f in rows["fields"]]})
+            mine.append(rows.span(a - start, b - start))
         start += count
     return mine

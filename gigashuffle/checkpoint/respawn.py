@@ -18,6 +18,7 @@ import numpy as np
 from gigashuffle.procs.messages import Progress
 from gigashuffle.procs.positions import filtered_commits
 from gigashuffle.procs.resume import COUNTER_BYTES
+from gigashuffle.rowblock import NO_ROWS, RowBlock
 from gigashuffle.shm.buffer import SharedMemory
 
 # Reports kept per writer: the commit counter lags a report by at most one commit plus the watcher's 10 ms, so
@@ -32,7 +33,7 @@ class _Writer:
     skip: int = 0
     reports: deque[Progress] = field(default_factory=lambda: deque(maxlen=_KEPT_REPORTS))
     counter: SharedMemory | None = None
-    saved: tuple[str, tuple[Any, ...]] = ("", ())  # a checkpoint's rows this writer puts back (NOTE [ Checkpoint cut ])
+    saved: RowBlock = NO_ROWS  # a checkpoint's rows this writer puts back (NOTE [ Checkpoint cut ])
     # (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ] in checkpoint/positions.py
     positions: tuple[int, Any, int] | None = None
 
@@ -42,18 +43,18 @@ class ResumePoints:
         self._writers = [_Writer() for _ in range(num_writers)]
         self._serials = itertools.count(1)
 
-    def start_of(self, index: int) -> tuple[Any, int, int, tuple[str, tuple[Any, ...]]]:
+    def start_of(self, index: int) -> tuple[Any, int, int, RowBlock]:
         """(state, skip, serial, saved rows) a writer started now starts from."""
         w = self._writers[index]
         return w.state, w.skip, w.serial, w.saved
 
-    def load(self, states: list[Any], skips: list[int], saved: tuple[str, tuple[Any, ...]]) -> list[int]:
+    def load(self, states: list[Any], skips: list[int], saved: RowBlock) -> list[int]:
         """``load_state_dict``: each writer starts a new stream, writer 0 puts ``saved`` back first; returns the
         serials to send with the states."""
         serials = []
         for i, (w, state, skip) in enumerate(zip(self._writers, states, skips, strict=True)):
             w.serial, w.state, w.skip = next(self._serials), state, skip
-            w.saved = saved if i == 0 else ("", ())
+            w.saved = saved if i == 0 else RowBlock()
             w.positions = None
             w.reports.clear()
             serials.append(w.serial)
@@ -103,9 +104,7 @@ class ResumePoints:
             # With a filter the lane counts rows written, not rows of the stream (procs/positions.py).
             committed, keep, until = filtered_commits(base, keep, until, w.skip, committed)
             if serial == w.serial:  # else it died before it applied the last load_state_dict: start from that
-                layout_json, fields = w.saved
-                left = tuple(f[restored:] for f in fields)
-                w.saved = (layout_json, left) if left and len(left[0]) else ("", ())
+                w.saved = w.saved.after(restored)
                 best = max((r for r in w.reports if r.produced <= committed), key=lambda r: r.produced, default=None)
                 if best is not None:
                     w.state, w.skip = best.state, committed - best.produced

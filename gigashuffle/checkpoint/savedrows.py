@@ -23,6 +23,7 @@ import torch
 
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SlotBuffer
 from gigashuffle.shm.prefault import fault_in_for_write
@@ -78,9 +79,9 @@ class SavedRows:
         pieces: list[list[Any]] = []  # per source, per field: rows to copy as they are
         layout_json = ""
         for answer in answers:
-            if answer.rows and len(answer.rows[0]):
-                pieces.append([np.asarray(f) for f in answer.rows])
-                layout_json = answer.layout_json
+            if len(answer.rows):
+                pieces.append([np.asarray(f) for f in answer.rows.fields])
+                layout_json = answer.rows.layout_json
         for child, k in sup.inbox.waiting():
             if child.ring is None:
                 raise AssertionError("a batch announced by a reader without a ring")
@@ -124,16 +125,16 @@ class Listed:
     ids: Any  # the buffer's full slots at the cut
     pieces: list[list[Any]]  # per source (a writer's rows not put back, a ring batch), per field: rows as they are
 
-    def copy(self) -> dict[str, Any]:
+    def copy(self) -> RowBlock:
         """Copy the listed rows into their arrays: each row once, straight into its place. The buffer's rows may be
         copied after the readers went on (they leave a slot's bytes as they are) but not once a writer may write
         again: the cut holds the node's writers until every rank copied (NOTE [ Checkpoint cut ])."""
         if not self.views:
-            return {}
+            return RowBlock()
         if failpoints.ACTIVE and self.buffer is not None:
             failpoints.reached("cut.before_buffer_copy")
         copy_rows(self.views, self.buffer, self.ids, self.pieces)
-        return {"layout": self.layout_json, "fields": [torch.from_numpy(v) for v in self.views]}
+        return RowBlock(self.layout_json, tuple(torch.from_numpy(v) for v in self.views))
 
 
 def copy_rows(views: list[Rows], buffer: SlotBuffer | None, ids: Any, pieces: list[list[Any]]) -> None:

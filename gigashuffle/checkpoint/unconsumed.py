@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gigashuffle.errors import SchemaError
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.schema import INDEX_KEY, Layout
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -56,23 +57,12 @@ def _host(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def unconsumed_rows(batches: Sequence[Any], sup: Supervisor) -> tuple[str, list[np.ndarray[Any, Any]]]:
-    """The layout (JSON) of this rank's reader rings and ``rows_of(batches)`` in it (the batches came from them)."""
+def unconsumed_rows(batches: Sequence[Any], sup: Supervisor) -> RowBlock:
+    """The rows of ``batches`` in the layout of this rank's reader rings (the batches came from them)."""
     layout = next((c.ring.layout for c in sup.readers() if c.ring is not None), None)
     if layout is None:
         raise ValueError(
             "state_dict(unconsumed=...) was given batches, but this loader has handed out none (no reader ring "
             "yet); pass only batches that iter(loader) yielded"
         )
-    return layout.to_json(), rows_of(batches, layout, sup.config.batch_format)
-
-
-def with_unconsumed(rows: dict[str, Any], unconsumed: tuple[str, list[np.ndarray[Any, Any]]]) -> dict[str, Any]:
-    """The cut's saved rows (``{"layout", "fields"}`` or ``{}``) with the unconsumed batches' rows after them."""
-    layout_json, extra = unconsumed
-    if not extra or not len(extra[0]):
-        return rows
-    if not rows:
-        return {"layout": layout_json, "fields": [torch.from_numpy(e) for e in extra]}
-    fields = [torch.cat([f, torch.from_numpy(e)]) for f, e in zip(rows["fields"], extra, strict=True)]
-    return {**rows, "fields": fields}
+    return RowBlock(layout.to_json(), tuple(rows_of(batches, layout, sup.config.batch_format)))

@@ -14,12 +14,12 @@ save a model); its cut number is how many times this loader did (a resumed job c
 Each rank records in one hash, ``cut:<generation>`` (control/keys.py), field ``<local rank>`` = ``<cut> <phase>
 <token>``, and reads the others' in the same Lua call (``lua.CUT_ARRIVE``), polling until none is missing. The cut
 number is taken first in ``state_dict()`` (``CutState.next_number`` in checkpoint/cutstate.py), so a call that
-fails still counts on its rank. A rank's later cut counts as past the last phase of an earlier one (it left that barrier and began its next
-checkpoint); at an earlier phase a live rank at a later cut means the ranks numbered their checkpoints differently,
-and fails the cut at once (its later entries must not open this cut's barriers). An entry
-counts only while its token holds that rank's claim now, so an entry of a dead trainer or of an earlier job (one
-of the same generation whose claims lapsed and were taken over) never satisfies a barrier; the generation in the
-key keeps earlier sessions out, and the TTL (refreshed at every arrival) drops the hash once cuts stop. A rank
+fails still counts on its rank. A rank's later cut counts as past the last phase of an earlier one (it left that
+barrier and began its next checkpoint); at an earlier phase a live rank at a later cut means the ranks numbered
+their checkpoints differently, and fails the cut at once (its later entries must not open this cut's barriers).
+An entry counts only while its token holds that rank's claim now, so an entry of a dead trainer or of an earlier
+job (one of the same generation whose claims lapsed and were taken over) never satisfies a barrier; the generation
+in the key keeps earlier sessions out, and the TTL (refreshed at every arrival) drops the hash once cuts stop. A rank
 that does not arrive within ``WAIT_S`` fails the checkpoint of every other rank with a ``CheckpointError`` that
 names it and where it was; no rank resumes its writers before every rank copied, so a failed cut saves nothing
 inconsistent (a rank that arrives late finds the others' later phase missing and fails too). A poll is one Redis

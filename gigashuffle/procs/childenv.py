@@ -29,6 +29,7 @@ from gigashuffle.procs.attach import AttachServer, attach
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope, find_served_buffer
 from gigashuffle.procs.messages import Role
+from gigashuffle.rowblock import NO_ROWS, RowBlock
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
@@ -69,10 +70,7 @@ class ChildSpec:
     skip: int = 0  # rows after dataset_state (or the dataset's initial state) already written: skip them
     serial: int = 0  # the serial of the state this writer starts from
     go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
-    saved_rows: tuple[str, tuple[Any, ...]] = (
-        "",
-        (),
-    )  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
+    saved_rows: RowBlock = NO_ROWS  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
     epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
     positions: Any = None  # (stream row of dataset_state, keep, until): procs/positions.py
 

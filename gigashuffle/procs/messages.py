@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gigashuffle.rowblock import NO_ROWS, RowBlock
+
 Role = Literal["writer", "reader"]  # the two kinds of loader child
 
 # -- child to trainer -----------------------------------------------------------------------------------------
@@ -70,9 +72,7 @@ class DatasetState:
     index: int
     state: Any
     skip: int = 0  # rows after ``state`` that were already written (NOTE [ Respawned writers ])
-    # A checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ]): layout JSON, fields.
-    layout_json: str = ""
-    rows: tuple[Any, ...] = ()
+    rows: RowBlock = NO_ROWS  # a checkpoint's saved rows this writer had not yet put back (NOTE [ Checkpoint cut ])
     positions: Any = None  # NOTE [ Positions checkpoint ] in checkpoint/positions.py: procs/positions.py Track.answer
 
 
@@ -127,10 +127,8 @@ class LoadState:
     state: Any
     skip: int = 0
     serial: int = 0
-    # Rows a checkpoint saved (NOTE [ Checkpoint cut ]): the layout's JSON and per field ``uint8 [n, row_bytes]``;
-    # the writer puts them back into the buffer before it reads its dataset on.
-    layout_json: str = ""
-    rows: tuple[Any, ...] = ()
+    # Rows a checkpoint saved (NOTE [ Checkpoint cut ]): the writer puts them back before it reads its dataset on.
+    rows: RowBlock = NO_ROWS
     # A positions checkpoint's (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ].
     positions: Any = None
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.messages import Progress
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.lanes import NO_LANE
 from gigashuffle.shm.slottable import SlotTable
@@ -67,7 +68,7 @@ class StreamPosition:
         self.chunk_state: Any = base_state  # the dataset's state before the chunk being written
         self.done: int | None = None  # rows of that chunk written or skipped, while the writer is inside it
         self.paused = False  # NOTE [ Checkpoint cut ]: between StateRequest(pause=True) and Resume
-        self.restore_rows: tuple[str, tuple[Any, ...]] | None = None  # a checkpoint's rows, to write back first
+        self.restore_rows: RowBlock | None = None  # a checkpoint's rows, to write back first
         self.restored = 0  # how many of them are copied into the buffer
         self._report_due = 0.0
         self.lanes = lanes if stateful else (NO_LANE, NO_LANE)  # (stream, saved rows): NOTE [ Lanes ]
@@ -136,12 +137,9 @@ class StreamPosition:
             return self.chunk_state, self.done
         return dataset.state_dict(), self.skip_left
 
-    def leftover(self) -> tuple[str, tuple[Any, ...]]:
+    def leftover(self) -> RowBlock:
         """The checkpoint's saved rows not yet copied back: a cut now must save them again."""
-        if self.restore_rows is None:
-            return "", ()
-        layout_json, fields = self.restore_rows
-        return layout_json, tuple(f[self.restored :] for f in fields)
+        return RowBlock() if self.restore_rows is None else self.restore_rows.after(self.restored)
 
     def close(self) -> None:
         if self.memory is not None:
@@ -154,15 +152,15 @@ def initial_position(
     state: Any,
     skip: int,
     serial: int,
-    saved: tuple[str, tuple[Any, ...]],
+    saved: RowBlock,
     lanes: tuple[int, int],
 ) -> StreamPosition:
     """Load ``state`` (None: the dataset as pickled) and note it as the stream's base; ``saved``: a checkpoint's
-    rows its predecessor had not put back yet (layout JSON, fields)."""
+    rows its predecessor had not put back yet."""
     if state is not None:
         dataset.load_state_dict(state)
     base = copy.deepcopy(dataset.state_dict()) if stateful and state is None else state
     position = StreamPosition(stateful, serial, skip, base, lanes)
-    if saved[1]:
+    if len(saved):
         position.restore_rows = saved
     return position

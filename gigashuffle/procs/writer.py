@@ -203,7 +203,7 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
         # A filter takes the skip in (procs/positions.py) before the lane's base is set from it.
         skip = chunks.track.restart(base, message.state, np.asarray(keep), until, message.skip)
         position.restart(message.state, skip, message.serial)
-        position.restore_rows = (message.layout_json, message.rows) if message.rows else None
+        position.restore_rows = message.rows if len(message.rows) else None
         position.restored = 0
         env.spec.go = True
         return True
@@ -215,7 +215,7 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
             position.paused = True
         state, skip = position.answer(dataset)
         where = chunks.track.answer(position.started, position.produced, skip, position.done)
-        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, *position.leftover(), where))
+        env.channel.send(DatasetState(message.request, env.spec.index, state, skip, position.leftover(), where))
     elif isinstance(message, Resume):
         position.paused = False
     elif isinstance(message, Rejoin):
@@ -415,19 +415,19 @@ def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, 
     writer's answer (``position.leftover()``)."""
     if position.restore_rows is None:
         return
-    layout_json, fields = position.restore_rows
-    saved = Layout.from_json(layout_json)
+    block = position.restore_rows
+    saved = Layout.from_json(block.layout_json)
     if saved != layout:
         raise SchemaError(
             f"the checkpoint's saved rows have layout [{saved.describe()}] but this queue's buffer has "
             f"[{layout.describe()}]; resume with the dataset (fields, dtypes, row shapes) that wrote the checkpoint"
         )
-    rows = int(fields[0].shape[0]) if fields else 0
+    rows = len(block)
     pending.publish()  # rows of the stream so far are counted as such; the saved ones apart, for a successor
     pending.lane = position.lanes[1]
     serial = position.serial
     try:
-        write(list(fields), rows, 0, saved=True)
+        write(list(block.fields), rows, 0, saved=True)
         pending.publish()
     finally:
         pending.lane = position.lanes[0]

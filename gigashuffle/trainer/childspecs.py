@@ -13,6 +13,7 @@ from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec
 from gigashuffle.procs.messages import Pause, Role
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.seeds import base_seed
+from gigashuffle.rowblock import RowBlock
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 class WriterStarts(Protocol):
     """What the checkpoint package tells the supervisor about starts (checkpoint/checkpoints.py)."""
 
-    def start_of(self, index: int) -> tuple[Any, int, int, tuple[str, tuple[Any, ...]]]:
+    def start_of(self, index: int) -> tuple[Any, int, int, RowBlock]:
         """(state, skip, serial, saved rows) writer ``index`` starts from if started now."""
         ...
 
@@ -72,7 +73,7 @@ class ChildSpecs:
 
     def spec(self, role: Role, index: int, held: bool = False) -> bytes:
         """The pickled ``ChildSpec`` of the next start of ``role`` ``index``; ``held``: a checkpoint's cut is on."""
-        state, skip, serial, saved = self.starts.start_of(index) if role == "writer" else (None, 0, 0, ("", ()))
+        state, skip, serial, saved = self.starts.start_of(index) if role == "writer" else (None, 0, 0, RowBlock())
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(

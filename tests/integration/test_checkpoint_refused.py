@@ -123,7 +123,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_formats(redis_url
         _refused_then_reads_from_the_start(loader, newer, r"rank0 is in checkpoint format 2 but this gigashuffle "
                                                           r"reads formats 0 to 1")  # fmt: skip
     part = own_part(_config(redis_url, queue), {"rank0": {k: v for k, v in state["rank0"].items() if k != "format"}})
-    assert part["rows"]["count"] == state["rank0"]["rows"]["count"], "a part without 'format' (format 0) loads"
+    assert len(part["rows"]) == state["rank0"]["rows"]["count"], "a part without 'format' (format 0) loads"
 
 
 def test_a_cut_that_cannot_map_the_slot_table_fails_instead_of_saving_no_buffer_row(

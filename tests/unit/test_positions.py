@@ -17,6 +17,7 @@ from gigashuffle.procs import positions as positions_of_writer
 from gigashuffle.procs.messages import DatasetState, Progress
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 from gigashuffle.procs.resume import COUNTER_BYTES
+from gigashuffle.rowblock import RowBlock
 from gigashuffle.shm.buffer import SharedMemory
 
 
@@ -71,7 +72,7 @@ def test_with_a_filter_the_head_and_a_dead_writers_commits_map_back_to_stream_ro
 
 def test_a_respawned_writer_goes_on_with_its_stream_numbering_and_filter() -> None:
     points = ResumePoints(1)
-    serial = points.load([{"pos": 0}], [0], ("", ()))[0]
+    serial = points.load([{"pos": 0}], [0], RowBlock())[0]
     points.set_positions([(500, np.array([503]), 520)])
     counter = SharedMemory(COUNTER_BYTES, name="test-commits")
     np.frombuffer(counter.numpy_view(0, COUNTER_BYTES), np.int64)[:] = (serial, 0, 0)

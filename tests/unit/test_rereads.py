@@ -13,6 +13,7 @@ import torch
 
 from gigashuffle.checkpoint import rereads
 from gigashuffle.errors import CheckpointError
+from gigashuffle.rowblock import RowBlock
 
 
 class Counting:
@@ -38,13 +39,13 @@ class Counting:
             yield [{"id": ids}]
 
 
-def ids_of(rows: dict[str, Any]) -> list[int]:
-    return rows["fields"][0].contiguous().view(torch.int64).flatten().tolist()
+def ids_of(rows: RowBlock) -> list[int]:
+    return rows.fields[0].contiguous().view(torch.int64).flatten().tolist()
 
 
 def part(state: dict[str, int], keep: list[int], until: int, skip: int = 0) -> dict[str, Any]:
     entry = {"at": state["at"], "keep": torch.tensor(keep, dtype=torch.int64), "until": until}
-    return {"writers": [state], "skip": [skip], "positions": [entry], "rows": {}}
+    return {"writers": [state], "skip": [skip], "positions": [entry], "rows": RowBlock()}
 
 
 def test_the_kept_rows_are_read_from_the_state_across_a_pass_and_the_rest_is_a_skip() -> None:
@@ -66,15 +67,15 @@ def test_each_rank_reads_only_the_kept_rows_of_its_share() -> None:
     reads: list[int] = []
 
     def kept(first: int, n: int) -> rereads.Kept:
-        def read() -> rereads.Rows:
+        def read() -> RowBlock:
             reads.append(first)
             ids = torch.arange(first, first + n, dtype=torch.int64)
-            return {"layout": "L", "fields": [ids.view(torch.uint8).reshape(n, 8)]}
+            return RowBlock("L", (ids.view(torch.uint8).reshape(n, 8),))
 
         return rereads.Kept(n, read)
 
-    saved = {"layout": "L", "fields": [torch.arange(100, 104, dtype=torch.int64).view(torch.uint8).reshape(4, 8)]}
-    segments: list[rereads.Rows | rereads.Kept] = [saved, kept(0, 4), {}, kept(10, 4)]
+    saved = RowBlock("L", (torch.arange(100, 104, dtype=torch.int64).view(torch.uint8).reshape(4, 8),))
+    segments: list[RowBlock | rereads.Kept] = [saved, kept(0, 4), RowBlock(), kept(10, 4)]
     shares = [rereads.share(segments, rank, 3) for rank in range(3)]
     got = [[i for rows in pieces for i in ids_of(rows)] for pieces in shares]
     assert got == [[100, 101, 102, 103], [0, 1, 2, 3], [10, 11, 12, 13]]
