@@ -1,17 +1,33 @@
-"""The explorer's model of a writer's ``Track`` (tests/model/cutmodel.py, the positions way) against the real one
-(gigashuffle/procs/positions.py), op by op: restart (a filter, a skip folded in), the state kept before each chunk,
-the rows a chunk writes, the origins stamped, and the answer to a checkpoint. The explorer cannot drive the real
-``Track`` (it is mutable; a search must copy and remember worlds), so this is what ties the model to it.
+"""The explorer's model of the positions way (tests/model/cutmodel.py) against the real code, op by op: a writer's
+``Track`` (gigashuffle/procs/positions.py: restart with a filter and a skip folded in, the state kept before each
+chunk, the rows a chunk writes, the origins stamped, the answer to a checkpoint), and the trainer's ``_covered``
+and ``entry_of`` (the checkpoint's positions module, which is being moved: looked up where it is, skipped if it is
+in neither place). The explorer cannot drive the real ``Track`` (it is mutable; a search must copy and remember
+worlds), nor the trainer's side (it takes the supervisor's objects), so this is what ties the model to them.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
-from model.cutmodel import Config, Writer, _before_chunk, _origins, _select, _track_answer, _track_restart
+import pytest
+from model.cutmodel import (
+    Config,
+    Writer,
+    _before_chunk,
+    _entry_of,
+    _origins,
+    _select,
+    _track_answer,
+    _track_restart,
+    classify,
+)
 
-from gigashuffle.procs.positions import LANE_SHIFT, Track
+from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 
 
 def _sorted_sample(rng: random.Random, lo: int, hi: int) -> tuple[int, ...]:
@@ -93,3 +109,72 @@ def _same_answer(cfg: Config, real: Track, c: Writer, started: bool, produced: i
     assert (at, head, until) == (want["at"], want["head"], want["until"])
     assert retained == tuple((int(r), s) for r, s in want["retained"])
     assert keep == tuple(int(k) for k in want["keep"])
+
+
+def _trainer_positions() -> Any:
+    for name in ("gigashuffle.checkpoint.positions", "gigashuffle.trainer.positions"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "_covered") and hasattr(module, "entry_of"):
+            return module
+    pytest.skip("the trainer's positions module (_covered, entry_of) is in neither checkpoint/ nor trainer/")
+
+
+def test_classify_follows_the_real_covered() -> None:
+    """The model's per-origin decision (found, saved, left to another rank) against ``_covered`` called as
+    ``cut_rows`` calls it: on a ring's origins without ``saves``, on the buffer's with this rank's ``saves``."""
+    real = _trainer_positions()
+    rng = random.Random(32)
+    for _run in range(400):
+        cfg = Config(trainers=rng.randint(1, 3), writers=rng.randint(1, 3))
+        rank = rng.randrange(cfg.trainers)
+        own = [rank * cfg.writers + i for i in range(cfg.writers)]
+        oldest = {lane: rng.randint(0, 6) for lane in own if rng.random() < 0.7}
+        lanes = [-1, *range(cfg.trainers * cfg.writers + 2)]
+        origins = [
+            NO_ORIGIN if (lane := rng.choice(lanes)) < 0 else (lane << LANE_SHIFT) | rng.randint(0, 10)
+            for _ in range(rng.randint(0, 12))
+        ]
+        array = np.asarray(origins, dtype=np.int64)
+        for in_buffer in (False, True):
+            found: dict[int, list[Any]] = {lane: [] for lane in oldest}
+            if in_buffer:  # cut_rows: saves per lane + 1, the last entry for lanes past the node's
+                node_lanes = cfg.trainers * cfg.writers
+                saves = np.zeros(node_lanes + 2, dtype=bool)
+                saves[own[0] + 1 : own[-1] + 2] = True
+                saves[0] = saves[-1] = rank == 0
+                want = list(real._covered(array.copy(), oldest, found, saves))
+            else:
+                want = list(~real._covered(array.copy(), oldest, found))
+            model_found: dict[int, list[int]] = {lane: [] for lane in oldest}
+            got = [classify(cfg, rank, o, oldest, model_found, in_buffer) for o in origins]
+            assert got == [bool(x) for x in want], (cfg, rank, oldest, origins, in_buffer)
+            for lane in oldest:
+                rows = np.concatenate(found[lane]) if found[lane] else np.empty(0, np.int64)
+                assert sorted(int(r) for r in rows) == sorted(model_found[lane])
+
+
+def test_the_entry_model_follows_the_real_entry_of() -> None:
+    """``_entry_of`` against ``entry_of`` on answers with kept states, found rows, a filter's keep and until."""
+    real = _trainer_positions()
+    rng = random.Random(32)
+    for _run in range(400):
+        starts = sorted(rng.sample(range(0, 12), rng.randint(0, 3)))
+        retained = tuple((r, 100 + r) for r in starts)
+        at = rng.choice(starts) if starts and rng.random() < 0.7 else rng.randint(0, 12)
+        head = at + rng.randint(0, 4)
+        keep = tuple(sorted(rng.sample(range(head, head + 8), rng.randint(0, 3))))
+        until = rng.randint(0, head + 8) if rng.random() < 0.5 else 0
+        found = tuple(rng.sample(range(starts[0], starts[0] + 10), rng.randint(0, 3))) if starts else ()
+        state = 100 + at
+        info = {"at": at, "head": head, "retained": list(retained), "keep": np.asarray(keep, np.int64), "until": until}
+        if retained:  # positions._found: only a writer with kept states gets the rows found
+            info["found"] = [np.asarray(found, dtype=np.int64)]
+        want_state, want = real.entry_of(SimpleNamespace(state=state, positions=info))
+        message = ("DatasetState", 1, 0, state, 0, (), (at, head, retained, keep, until))
+        got_state, skip, entry = _entry_of(Config(), 0, message, {0: found})
+        assert (got_state, skip) == (want_state, 0)
+        assert entry is not None
+        assert entry == (want["at"], tuple(int(k) for k in want["keep"]), want["until"])
