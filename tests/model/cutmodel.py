@@ -61,9 +61,13 @@ procs/positions.py. Checked against the real code op by op: the slot table of te
   has no partner (the ranks' checkpoint numbers drift, issue 32's fourth hole), so the model gets stuck.
 
 Size. The explored worlds grow fast: one rank with one writer and one reader, or two writers without kills,
-are explored whole in seconds (tests/unit/test_cut_explorer.py prints the figures); two ranks are explored only
-up to a bound of worlds (``explore(bounded=True)``), from the start where the writers filled the buffer. No
-partial-order reduction is done; the memo of seen worlds is what keeps the search finite.
+are explored whole in seconds (tests/unit/test_cut_explorer.py prints the figures: worlds, steps, final worlds
+checked, kill and interrupt steps and, for a whole exploration, the interleavings: step sequences from the start
+to a checked end, counted over the graph of worlds). Two ranks are explored only up to a bound of worlds
+(``explore(bounded=True)``), from the start where the writers filled the buffer; where a bounded depth-first
+search would spend its bound below the first kill it takes, ``sweep`` takes a kill (or Ctrl-C) at each step of
+one seeded schedule and explores a bounded neighbourhood after each. No partial-order reduction is done; the
+memo of seen worlds is what keeps the search finite (two writers with a kill: past 1.2M worlds, not complete).
 
 Mutations (each a flag of ``Config``) put back a bug the real code had or could have; the tests assert that the
 explorer finds each (a failing interleaving, printed as a trace) and none without them, in each way where it
@@ -132,6 +136,7 @@ class Config(NamedTuple):
     skip_listed: bool = False  # (e) the cut does not wait at the node barrier LISTED
     skip_paused: bool = False  # (f) the cut does not wait at the node barrier PAUSED
     every_rank_saved: bool = False  # (g) load_state_dict puts back every rank's saved rows on every rank
+    drop_old_rows: bool = False  # (h) by positions: rows older than every kept state are not saved as rows
 
 
 class Writer(NamedTuple):
@@ -950,6 +955,8 @@ def classify(
     lane, row = origin >> LANE_SHIFT, origin & ROW_MASK
     if lane in oldest and row >= oldest[lane]:
         found[lane].append(row)
+        return False
+    if cfg.drop_old_rows and lane in oldest:
         return False
     if not in_buffer:
         return True

@@ -89,8 +89,9 @@ def test_two_trainers_of_one_node_bounded(way: dict[str, Any]) -> None:
     [
         ("two trainers, a kill", dict(TWO, kills=1), 150),
         ("a kill and a Ctrl-C in one run", dict(ONE, kills=1, interrupts=1), 800),
+        ("two writers under the first mix, a kill", dict(MIX, kills=1), 300),
     ],
-    ids=["two trainers, a kill", "a kill and a Ctrl-C"],
+    ids=["two trainers, a kill", "a kill and a Ctrl-C", "first mix, a kill"],
 )
 def test_a_kill_at_each_step_of_a_schedule(name: str, config: dict[str, Any], bound: int, way: dict[str, Any]) -> None:
     """Too large to explore whole (a bounded depth-first search spends its bound below its first kill): a kill of
@@ -124,6 +125,14 @@ MUTATIONS = [
     # (g) load_state_dict puts back every rank's saved rows on every rank
     ("g-every-rank-saved", "saved", dict(**TWO, saved=1, every_rank_saved=True), "start", True),
     ("g-every-rank-saved", "positions", dict(**TWO, saved=1, every_rank_saved=True), "start", True),
+    # (h) by positions, a row older than every kept state is not saved as a row (the one-kept-state run needs it)
+    (
+        "h-drop-old-rows",
+        "positions",
+        dict(ONE, rows=3, keep_rows=1, kills=0, interrupts=0, drop_old_rows=True),
+        "",
+        False,
+    ),
 ]
 
 
