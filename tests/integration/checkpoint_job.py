@@ -183,5 +183,31 @@ def main() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class HeldIds(FiniteIds):
+    """``FiniteIds`` whose writer, at its first chunk fetched once the file ``start`` exists, creates the file
+    ``held`` and waits (holding that chunk, writing nothing and answering nothing) until the file ``end`` exists;
+    if ``end`` does not come within ``hold_s`` it creates ``held + ".deadline"`` and goes on (a test that finds it
+    knows its window was not held). tests/integration/test_checkpoint_mutations.py holds a rank's writer from the
+    moment the node's other rank is in its cut until its own cut has asked it for its state."""
+
+    def __init__(self, ids: int, chunk: int, start: str, end: str, held: str, hold_s: float = 60.0) -> None:
+        super().__init__(ids, chunk)
+        self.start, self.end, self.held, self.hold_s = start, end, held, hold_s
+        self._done = False
+
+    def __iter__(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        for chunk in super().__iter__():
+            if not self._done and os.path.exists(self.start):
+                self._done = True
+                Path(self.held).touch()
+                deadline = time.monotonic() + self.hold_s
+                while not os.path.exists(self.end):  # a wait on a file, with a deadline
+                    if time.monotonic() > deadline:
+                        Path(self.held + ".deadline").touch()
+                        break
+                    time.sleep(0.002)
+            yield chunk
+
+
 if __name__ == "__main__":
     main()
