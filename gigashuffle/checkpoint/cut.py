@@ -26,6 +26,10 @@ themselves ("rows way"), so any stateful dataset works. Every rank of the node c
      out before the copy (this thread does both), so its reader does not reuse its ring slot;
   7. waits at the barrier ``COPIED`` until every local rank copied, then resumes its writers. Training goes on
      from the same buffer: the cut changes nothing it delivers.
+Every answer names what it answers (``DatasetState.request``, ``Paused(cut)``, each barrier entry its cut): an
+answer to an earlier, aborted cut never counts for this one. A Ctrl-C is raised only where the cut waits: the cut is one
+blocking section (NOTE [ Ctrl-C ] in procs/interrupts.py), so its cleanup (every child resumed, the cut's state
+ended) runs whole whatever lands when, and the next ``state_dict()`` starts clean.
 On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
 counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
 skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
@@ -55,7 +59,8 @@ from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.cutbarrier import NodeBarrier
 from gigashuffle.errors import CheckpointError
-from gigashuffle.procs import failpoints
+from gigashuffle.procs import failpoints, interrupts
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import DatasetState, Go, Pause, Resume, StateRequest
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.rowblock import RowBlock
@@ -84,7 +89,22 @@ def take(
 ) -> tuple[list[DatasetState], RowBlock]:
     """Checkpoint ``number``'s cut (``CutState.next_number``): pause this rank's writers and readers (and, through
     the node barrier, wait for the node's other ranks to pause theirs), read the states and the undelivered rows,
-    resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions)."""
+    resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions).
+
+    The whole cut is one blocking section (NOTE [ Ctrl-C ] in procs/interrupts.py): a Ctrl-C is raised only where
+    the cut waits (``_pump``), so its cleanup (every child resumed, the cut's state ended) always runs, whole."""
+    with critical(blocking=True):
+        return _take(sup, cuts, config, number, timeout_s, handed)
+
+
+def _take(
+    sup: Supervisor,
+    cuts: CutState,
+    config: DataloaderConfig,
+    number: int,
+    timeout_s: float,
+    handed: Sequence[tuple[ChildProcess, int]],
+) -> tuple[list[DatasetState], RowBlock]:
     deadline = time.monotonic() + timeout_s
     pause = exact(config)
     if not pause:
@@ -151,7 +171,13 @@ def _table_for_cut(sup: Supervisor, config: DataloaderConfig, deadline: float) -
                 "cannot save the buffer's rows; nothing was saved. See the log for the attach errors, and call "
                 "state_dict() again"
             )
-        sup.pump(_POLL_S)
+        _pump(sup, _POLL_S)
+
+
+def _pump(sup: Supervisor, seconds: float) -> None:
+    """Serve the children for up to ``seconds``: the cut's one place to wait, and where a Ctrl-C is raised."""
+    sup.pump(seconds)
+    interrupts.interrupt_point()
 
 
 def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
@@ -166,7 +192,7 @@ def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
 def _wait(sup: Supervisor, barrier: NodeBarrier | None, number: int, phase: int, deadline: float) -> None:
     if barrier is not None:
         deadline = min(deadline, time.monotonic() + cutbarrier.WAIT_S)
-        barrier.wait(number, phase, deadline, sup.pump, time.monotonic)
+        barrier.wait(number, phase, deadline, lambda seconds: _pump(sup, seconds), time.monotonic)
 
 
 _warned: set[str] = set()
@@ -210,7 +236,7 @@ def _writer_states(
             asked[child.index] = (child.seq, request)
         if readers is not None:
             readers.ask()
-        sup.pump(_POLL_S)
+        _pump(sup, _POLL_S)
         for index, (_seq, request) in asked.items():
             answer = cuts.answer_of(index)
             if answer is not None and answer.request == request:
@@ -253,7 +279,7 @@ class _ReaderPause:
                     f"queue {self._config.queue_name!r} rank {self._config.global_rank}: readers did not pause for "
                     "the checkpoint in time"
                 )
-            self._sup.pump(_POLL_S)
+            _pump(self._sup, _POLL_S)
 
     def resume(self) -> None:
         """Resume every reader not resumed yet, and those started since (a reader started in a cut starts paused)."""

@@ -34,8 +34,10 @@ class CutState:
         return Pause(self.number) if self._pausing else None
 
     def begin(self, pause: bool) -> None:
-        """The cut of the checkpoint last numbered begins; with ``pause``, children started from now on start held."""
+        """The cut of the checkpoint last numbered begins; with ``pause``, children started from now on start held.
+        No reader counts as paused for it yet (``on_paused`` takes only this cut's answers from now on)."""
         self._pausing = pause
+        self._paused.clear()
 
     def end(self, started: float, readers_resumed: float | None, parts: dict[str, float]) -> None:
         """The cut that began at ``started`` (``time.monotonic()``) is over: children start unpaused again. Its

@@ -113,8 +113,9 @@ class Config(NamedTuple):
     kills: int = 1  # SIGKILLs per run, of any writer or reader, at any step
     interrupts: int = 1  # KeyboardInterrupts per run, at any step of a trainer's cut
     checkpoints: int = 1  # checkpoints each trainer takes (one more after each aborted cut)
-    # A KeyboardInterrupt also between the statements of the cut's ``finally`` (no critical section covers it):
-    # the rest of the finally is skipped (readers or writers left paused, CutState.end not run).
+    # A KeyboardInterrupt also between the statements of the cut's ``finally``: the rest of the finally is skipped
+    # (readers or writers left paused, CutState.end not run). The real cut can no longer be cut there (it is one
+    # blocking section: a Ctrl-C is raised only at its waits), so this explores a stronger property than needed.
     finally_interrupts: bool = False
     # A bound for two trainers: a trainer that has a checkpoint to take takes it before it pumps or delivers
     # anything (its children still move in every order before and during its cut).
@@ -131,6 +132,7 @@ class Config(NamedTuple):
     # Mutations: each puts back one bug.
     answer_from_chunk_start: bool = False  # (a) commit 171b336: the first-mix wait answers without its ``done``
     stale_paused: bool = False  # (b) commit 82d4221: a Paused counts whatever cut it answered
+    begin_keeps_paused: bool = False  # (i) CutState.begin does not forget the readers an aborted cut saw paused
     skip_copied: bool = False  # (c) the cut does not wait at the node barrier COPIED
     no_respawn_skip: bool = False  # (d) a respawned writer does not skip the rows its predecessor committed
     skip_listed: bool = False  # (e) the cut does not wait at the node barrier LISTED
@@ -841,8 +843,9 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
     if action == "timeout":  # NodeBarrier.wait past its deadline: CheckpointError, the same finally
         return _put_trainer(w, t._replace(pc="finally", failed=True))
     pc = t.pc
-    if pc == "train":  # state_dict(): number_cut then cut.take (cut.py:84-96)
+    if pc == "train":  # state_dict(): next_number then cut.take; CutState.begin forgets earlier Paused answers
         t = t._replace(cuts=t.cuts + 1, number=t.cuts + 1, cutting=True, asked=(None,) * cfg.writers,
+                       paused=t.paused if cfg.begin_keeps_paused else frozenset(),
                        answers=(None,) * cfg.writers, r_asked=frozenset(), r_resumed=frozenset(), listed=(),
                        rows=(), before=t.delivered, failed=False, pc="c_ask")  # fmt: skip
         return _put_trainer(w, t)
