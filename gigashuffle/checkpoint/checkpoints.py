@@ -19,6 +19,7 @@ from gigashuffle.checkpoint.unconsumed import unconsumed_rows
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.procs.messages import Attached, DatasetState, Pause, Paused, Progress
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.rowblock import RowBlock
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -41,11 +42,8 @@ class Checkpoints:
         sup.on_close(self.resume.close)
 
     # -- WriterStarts (trainer/childspecs.py) ----------------------------------------------------------------
-    def start_of(self, index: int) -> tuple[Any, int, int, RowBlock]:
+    def start_of(self, index: int) -> ResumePoint:
         return self.resume.start_of(index)
-
-    def positions_of(self, index: int) -> tuple[int, Any, int] | None:
-        return self.resume.positions_of(index)
 
     def held(self) -> Pause | None:
         return self.cuts.held()

@@ -149,15 +149,15 @@ def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, sta
     rows: RowBlock = mine["rows"]
     if len(rows):
         _check_layout(sup, config, rows.layout_json)
-    serials = resume.load(mine["writers"], mine["skip"], rows)
-    starts = [positions.start_of(e) for e in mine.get("positions") or [None] * config.num_writers]
-    resume.set_positions(starts)
+    entries = mine.get("positions") or [None] * config.num_writers
+    rank_points = [
+        positions.point_of(state, skip, entry, rows if i == 0 else NO_ROWS)  # writer 0 puts the rows back
+        for i, (state, skip, entry) in enumerate(zip(mine["writers"], mine["skip"], entries, strict=True))
+    ]
+    points = resume.load(rank_points)
     sup.say_go(send=False)  # a LoadState says go; writers started later start going
     for child in sup.writers():
-        i = child.index
-        # Writer 0 puts the rows back. A dying one's successor starts from the state in its spec.
-        saved = rows if i == 0 else RowBlock()
-        sup.send(child, LoadState(mine["writers"][i], mine["skip"][i], serials[i], saved, starts[i]))
+        sup.send(child, LoadState(points[child.index]))  # a dying one's successor starts from its spec's point
 
 
 def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -> None:

@@ -55,7 +55,8 @@ from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
-from gigashuffle.rowblock import RowBlock
+from gigashuffle.resumepoint import ResumePoint
+from gigashuffle.rowblock import NO_ROWS, RowBlock
 from gigashuffle.trainer.supervisor import Supervisor
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -231,9 +232,11 @@ def checked(key: str, entries: Any, num_writers: int) -> list[dict[str, Any] | N
     return entries
 
 
-def start_of(entry: dict[str, Any] | None) -> tuple[int, np.ndarray[Any, Any], int] | None:
-    """What a writer is given (``LoadState.positions``, ``ChildSpec.positions``): absolute stream rows."""
+def point_of(state: Any, skip: int, entry: dict[str, Any] | None, rows: RowBlock = NO_ROWS) -> ResumePoint:
+    """A writer's resume point from its part of a checkpoint: its state and skip, and with a positions ``entry``
+    its filter as absolute stream rows."""
     if entry is None:
-        return None
+        return ResumePoint(state=state, skip=skip, rows=rows)
     at = int(entry["at"])
-    return at, entry["keep"].numpy().astype(np.int64) + at, at + int(entry["until"])
+    keep = entry["keep"].numpy().astype(np.int64) + at
+    return ResumePoint(state=state, skip=skip, base=at, keep=keep, until=at + int(entry["until"]), rows=rows)

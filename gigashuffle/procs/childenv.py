@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from gigashuffle.procs.attach import AttachServer, attach
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope, find_served_buffer
 from gigashuffle.procs.messages import Role
-from gigashuffle.rowblock import NO_ROWS, RowBlock
+from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
@@ -62,17 +62,13 @@ class ChildSpec:
     runtime_dir: str
     dataset: Any = None
     context: Any = NO_CONTEXT  # the training context given so far (attach_training_context), if any
-    dataset_state: Any = None
     seed: int = 0  # the job's base seed (NOTE [ Seeds ] in procs/seeds.py)
     start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
     # NOTE [ Respawned writers ] and [ Restore before reading ] in procs/resume.py:
     stateful: bool = False  # the dataset has state_dict/load_state_dict: track where commits are
-    skip: int = 0  # rows after dataset_state (or the dataset's initial state) already written: skip them
-    serial: int = 0  # the serial of the state this writer starts from
     go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
-    saved_rows: RowBlock = NO_ROWS  # a checkpoint's rows still to put back (NOTE [ Checkpoint cut ])
     epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
-    positions: Any = None  # (stream row of dataset_state, keep, until): procs/positions.py
+    point: ResumePoint = field(default_factory=ResumePoint)  # where a writer starts (gigashuffle/resumepoint.py)
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.rowblock import NO_ROWS, RowBlock
 
 Role = Literal["writer", "reader"]  # the two kinds of loader child
@@ -121,16 +122,10 @@ class SetEpoch:
 
 @dataclass(frozen=True)
 class LoadState:
-    """Load ``state`` into the dataset, skip the ``skip`` rows after it, and count commits under ``serial``; also
-    lets a writer that holds before its first rows go on (``Go``)."""
+    """``load_state_dict``: start again from ``point`` (its rows first, then its state, filter and skip, counted
+    under its serial); also lets a writer that holds before its first rows go on (``Go``)."""
 
-    state: Any
-    skip: int = 0
-    serial: int = 0
-    # Rows a checkpoint saved (NOTE [ Checkpoint cut ]): the writer puts them back before it reads its dataset on.
-    rows: RowBlock = NO_ROWS
-    # A positions checkpoint's (stream row of ``state``, rows to write, until): NOTE [ Positions checkpoint ].
-    positions: Any = None
+    point: ResumePoint
 
 
 @dataclass(frozen=True)

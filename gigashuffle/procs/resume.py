@@ -45,6 +45,7 @@ import numpy as np
 
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.messages import Progress
+from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.rowblock import RowBlock
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.lanes import NO_LANE
@@ -146,21 +147,13 @@ class StreamPosition:
             self.memory.close()
 
 
-def initial_position(
-    dataset: Any,
-    stateful: bool,
-    state: Any,
-    skip: int,
-    serial: int,
-    saved: RowBlock,
-    lanes: tuple[int, int],
-) -> StreamPosition:
-    """Load ``state`` (None: the dataset as pickled) and note it as the stream's base; ``saved``: a checkpoint's
-    rows its predecessor had not put back yet."""
-    if state is not None:
-        dataset.load_state_dict(state)
-    base = copy.deepcopy(dataset.state_dict()) if stateful and state is None else state
-    position = StreamPosition(stateful, serial, skip, base, lanes)
-    if len(saved):
-        position.restore_rows = saved
+def initial_position(dataset: Any, stateful: bool, point: ResumePoint, lanes: tuple[int, int]) -> StreamPosition:
+    """Load the point's state (None: the dataset as pickled) and note it as the stream's base, with the point's
+    skip, serial and saved rows (a checkpoint's rows a predecessor had not put back yet)."""
+    if point.state is not None:
+        dataset.load_state_dict(point.state)
+    base = copy.deepcopy(dataset.state_dict()) if stateful and point.state is None else point.state
+    position = StreamPosition(stateful, point.serial, point.skip, base, lanes)
+    if len(point.rows):
+        position.restore_rows = point.rows
     return position

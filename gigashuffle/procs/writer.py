@@ -196,14 +196,14 @@ def _apply(env: ChildEnv, chunks: _Chunks, message: Any) -> bool:
         dataset.set_epoch(message.epoch)
         return True
     if isinstance(message, LoadState):
+        point = message.point
         chunks.before_restart()
-        dataset.load_state_dict(message.state)
+        dataset.load_state_dict(point.state)
         chunks.restart()
-        base, keep, until = message.positions or (0, (), 0)
         # A filter takes the skip in (procs/positions.py) before the lane's base is set from it.
-        skip = chunks.track.restart(base, message.state, np.asarray(keep), until, message.skip)
-        position.restart(message.state, skip, message.serial)
-        position.restore_rows = message.rows if len(message.rows) else None
+        skip = chunks.track.restart(point.base, point.state, point.keep, point.until, point.skip)
+        position.restart(point.state, skip, point.serial)
+        position.restore_rows = point.rows if len(point.rows) else None
         position.restored = 0
         env.spec.go = True
         return True
@@ -232,15 +232,13 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     if spec.epoch is not None:
         spec.dataset.set_epoch(spec.epoch)
     lanes = writer_lanes(spec.config.local_rank, spec.index)
-    position = initial_position(
-        spec.dataset, spec.stateful, spec.dataset_state, spec.skip, spec.serial, spec.saved_rows, lanes
-    )
+    point = spec.point
+    position = initial_position(spec.dataset, spec.stateful, point, lanes)
     cfg = spec.config
     positions = cfg.checkpoint_rows == "positions" and spec.stateful and cfg.evict_on_read and not cfg.fill_once
     track = Track(positions, lane_of(cfg.local_rank, cfg.num_writers, spec.index), int(KEEP_BUFFERS * cfg.shuffle_size))
-    base, keep, until = spec.positions or (0, (), 0)
     # A filter takes the skip in (procs/positions.py); the lane's base is set from it when the buffer is bound.
-    position.skip_left = track.restart(base, position.base_state, np.asarray(keep), until, spec.skip)
+    position.skip_left = track.restart(point.base, position.base_state, point.keep, point.until, point.skip)
     env = ChildEnv(spec, channel)
     try:
         _run(spec, env, position, track)

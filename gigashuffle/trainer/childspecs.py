@@ -13,7 +13,7 @@ from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec
 from gigashuffle.procs.messages import Pause, Role
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.seeds import base_seed
-from gigashuffle.rowblock import RowBlock
+from gigashuffle.resumepoint import ResumePoint
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +21,8 @@ log = logging.getLogger(__name__)
 class WriterStarts(Protocol):
     """What the checkpoint package tells the supervisor about starts (checkpoint/checkpoints.py)."""
 
-    def start_of(self, index: int) -> tuple[Any, int, int, RowBlock]:
-        """(state, skip, serial, saved rows) writer ``index`` starts from if started now."""
-        ...
-
-    def positions_of(self, index: int) -> tuple[int, Any, int] | None:
-        """Writer ``index``'s filter (NOTE [ Positions checkpoint ]), if it has one."""
+    def start_of(self, index: int) -> ResumePoint:
+        """Where writer ``index`` starts if started now."""
         ...
 
     def held(self) -> Pause | None:
@@ -73,7 +69,6 @@ class ChildSpecs:
 
     def spec(self, role: Role, index: int, held: bool = False) -> bytes:
         """The pickled ``ChildSpec`` of the next start of ``role`` ``index``; ``held``: a checkpoint's cut is on."""
-        state, skip, serial, saved = self.starts.start_of(index) if role == "writer" else (None, 0, 0, RowBlock())
         start = self._starts.get((role, index), 0)
         self._starts[(role, index)] = start + 1
         spec = ChildSpec(
@@ -85,16 +80,12 @@ class ChildSpecs:
             runtime_dir=self.runtime_dir,
             dataset=self.dataset if role == "writer" else None,
             context=self.context,
-            dataset_state=state,
             seed=self.seed,
             start=start,
             stateful=self.stateful,
-            skip=skip,
-            serial=serial,
             go=self.go and not held,
-            saved_rows=saved,
             epoch=self.epoch if role == "writer" else None,
-            positions=self.starts.positions_of(index) if role == "writer" else None,
+            point=self.starts.start_of(index) if role == "writer" else ResumePoint(),
         )
         try:
             return dumps_by_value(spec)

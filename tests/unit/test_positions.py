@@ -17,7 +17,7 @@ from gigashuffle.procs import positions as positions_of_writer
 from gigashuffle.procs.messages import DatasetState, Progress
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, Track
 from gigashuffle.procs.resume import COUNTER_BYTES
-from gigashuffle.rowblock import RowBlock
+from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.shm.buffer import SharedMemory
 
 
@@ -72,18 +72,18 @@ def test_with_a_filter_the_head_and_a_dead_writers_commits_map_back_to_stream_ro
 
 def test_a_respawned_writer_goes_on_with_its_stream_numbering_and_filter() -> None:
     points = ResumePoints(1)
-    serial = points.load([{"pos": 0}], [0], RowBlock())[0]
-    points.set_positions([(500, np.array([503]), 520)])
+    keep = np.array([503], dtype=np.int64)
+    serial = points.load([ResumePoint(state={"pos": 0}, base=500, keep=keep, until=520)])[0].serial
     counter = SharedMemory(COUNTER_BYTES, name="test-commits")
     np.frombuffer(counter.numpy_view(0, COUNTER_BYTES), np.int64)[:] = (serial, 0, 0)
     points.on_attached(0, [os.dup(counter.fd)])  # the points take the fd over, as from Attached
     points.on_report(0, Progress(serial, 32, {"pos": 32}))
     points.on_death(0, (0, 1), lambda lanes: (40, 0))  # 40 rows written: 503, then 520..558
-    state, skip, _serial, _saved = points.start_of(0)
-    start = points.positions_of(0)
-    assert start is not None
-    base, keep, until = start
-    assert (state, skip, base, keep.tolist(), until) == ({"pos": 32}, 59 - 32, 532, [503], 520)
+    point = points.start_of(0)
+    assert (point.state, point.skip, point.base, point.keep.tolist(), point.until) == (
+        {"pos": 32}, 59 - 32, 532, [503], 520
+    )  # fmt: skip
+    assert point.serial != serial, "a successor counts under a new serial"
     counter.close()
     points.close()
 
