@@ -241,6 +241,13 @@ class DataloaderConfig:
     def readers_per_node(self) -> int:
         return self.local_world_size * self.num_readers
 
+    @property
+    def delivers_once(self) -> bool:
+        """Whether each row is delivered once (not ``fill_once``, ``evict_on_read``): the one mode whose checkpoints
+        save the rows read and not delivered (NOTE [ Checkpoint cut ] in checkpoint/cut.py); the others save only
+        the datasets' positions."""
+        return not self.fill_once and self.evict_on_read
+
     def _check_types(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

@@ -73,12 +73,6 @@ _POLL_S = 0.02
 _TABLE_FOR_CUT_S = 5.0
 
 
-def exact(config: DataloaderConfig) -> bool:
-    """Whether checkpoints save the buffer's rows (NOTE [ Checkpoint cut ]): not in the modes that read a row more
-    than once or a buffer once."""
-    return not config.fill_once and config.evict_on_read
-
-
 def take(
     sup: Supervisor,
     cuts: CutState,
@@ -106,7 +100,7 @@ def _take(
     handed: Sequence[tuple[ChildProcess, int]],
 ) -> tuple[list[DatasetState], RowBlock]:
     deadline = time.monotonic() + timeout_s
-    pause = exact(config)
+    pause = config.delivers_once  # the other modes save only the datasets' positions, unpaused
     if not pause:
         _warn_inexact(config)
     copy_buffer = config.local_rank == 0

@@ -14,7 +14,7 @@ class CutState:
 
     def __init__(self) -> None:
         self.number = 0  # state_dict() calls so far: the node barrier's cut number (NOTE [ Node cut ])
-        self._pausing = False  # the cut in progress pauses the children (checkpoint/cut.py exact())
+        self._pausing = False  # the cut in progress pauses the children (DataloaderConfig.delivers_once)
         self._answers: dict[int, DatasetState] = {}  # writer index -> its answer to the last StateRequest
         # Spawn seqs of readers that answered the current cut's Pause: a Paused of an earlier, aborted cut is
         # dropped, or the next cut would not wait for that reader's batches.

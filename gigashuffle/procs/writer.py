@@ -235,7 +235,7 @@ def run(spec: ChildSpec, channel: Channel) -> None:
     point = spec.point
     position = initial_position(spec.dataset, spec.stateful, point, lanes)
     cfg = spec.config
-    positions = cfg.checkpoint_rows == "positions" and spec.stateful and cfg.evict_on_read and not cfg.fill_once
+    positions = cfg.checkpoint_rows == "positions" and spec.stateful and cfg.delivers_once
     track = Track(positions, lane_of(cfg.local_rank, cfg.num_writers, spec.index), int(KEEP_BUFFERS * cfg.shuffle_size))
     # A filter takes the skip in (procs/positions.py); the lane's base is set from it when the buffer is bound.
     position.skip_left = track.restart(point.base, position.base_state, point.keep, point.until, point.skip)

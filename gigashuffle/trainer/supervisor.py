@@ -107,9 +107,9 @@ class Supervisor:
         self.failure: BaseException | None = None
         self._closed = False
         self._restarts = 0  # children started again after a death (for metrics(); rejoins are not restarts)
-        # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ]; the
-        # modes of cut.exact()); a dataset without state is never checkpointed.
-        copies = stateful and config.local_rank == 0 and not config.fill_once and config.evict_on_read
+        # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
+        # the mode of DataloaderConfig.delivers_once); a dataset without state is never checkpointed.
+        copies = stateful and config.local_rank == 0 and config.delivers_once
         self.node_table = TableView(config, session, self.runtime_path, map_rows=copies)
         session.counts = self.node_table.counts
         self._starts = starts
@@ -320,7 +320,7 @@ class Supervisor:
         """Batches the dead reader released and never announced (NOTE [ Lanes ] in shm/lanes.py): its channel is
         drained, so every batch it announced is in the inbox and only these still carry a number."""
         lane = reader_lane(self.config.local_rank, child.index)
-        if child.ring is None or lane == NO_LANE or not self.config.evict_on_read or self.config.fill_once:
+        if child.ring is None or lane == NO_LANE or not self.config.delivers_once:
             return
         values = self._lane_values((lane,))
         if values is not None and (found := self.inbox.recover(child, values[0])):

@@ -403,3 +403,11 @@ def test_ring_depth_defaults_to_automatic_and_takes_a_depth_of_2_or_more() -> No
     assert DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", ring_depth=2).ring_depth == 2
     with pytest.raises(ValueError, match=r"ring_depth.*None \(auto\)"):
         DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", ring_depth=0)
+
+
+def test_only_the_mode_that_delivers_each_row_once_saves_rows_at_a_checkpoint() -> None:
+    def mode(**settings: Any) -> bool:
+        return DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", **settings).delivers_once
+
+    assert mode() and not mode(evict_on_read=False)
+    assert not mode(fill_once=True, num_readers=1, min_mixing=1.0)
