@@ -17,7 +17,9 @@ themselves ("rows way"), so any stateful dataset works. Every rank of the node c
   3. waits at the node barrier ``PAUSED`` until every local rank did 1 and 2 (NOTE [ Node cut ] in
      control/cutbarrier.py; no barrier with one rank per node): from then on nothing moves in the node's buffer;
   4. lists the rows it saves: every announced batch not yet handed to its caller and, on local rank 0 only, every
-     full slot of the buffer; waits at the barrier ``LISTED`` until every local rank listed;
+     full slot of the buffer, less the rows a writer of the node writes again on a resume (``positions.Coverage``:
+     none in this way; by positions, NOTE [ Positions checkpoint ]); waits at the barrier ``LISTED`` until every
+     local rank listed;
   5. resumes its readers: the node delivers again (the pause ends here). A reader leaves the bytes of a slot it
      draws as they are, and no writer writes, so the listed rows stay what they were at the cut;
   6. copies the listed rows, one ``uint8 [n, row_bytes]`` tensor per field, into arrays allocated and faulted in
@@ -104,9 +106,10 @@ def _take(
     if not pause:
         _warn_inexact(config)
     copy_buffer = config.local_rank == 0
-    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (checkpoint/savedrows.py).
-    by_positions = pause and config.checkpoint_rows == "positions"  # it saves few rows: no arrays ahead
-    saved = SavedRows(sup, copy_buffer=copy_buffer) if pause and not by_positions else None
+    by_positions = pause and config.checkpoint_rows == "positions"
+    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (checkpoint/savedrows.py;
+    # a cut by positions saves few rows: none ahead).
+    saved = SavedRows(sup, copy_buffer=copy_buffer, ahead=not by_positions) if pause else None
     started = time.monotonic()  # the pause starts here
     cuts.begin(pause)
     barrier = _barrier(sup, config) if pause else None
@@ -117,28 +120,23 @@ def _take(
         # back still answers when paused readers leave it no empty slot: it sends the rows left with its state).
         answers = _writer_states(sup, cuts, config, deadline, pause, readers if pause else None)
         marks.append(("writers", time.monotonic()))
-        if not pause:
+        if saved is None:
             return answers, RowBlock()
         readers.wait(deadline)
         marks.append(("readers", time.monotonic()))
         _wait(sup, barrier, number, cutbarrier.PAUSED, deadline)
-        if copy_buffer or by_positions:  # they list the buffer's rows: fail closed without its table
+        coverage = positions.Coverage(config, answers, by_positions, copy_buffer)
+        if coverage.lists_buffer:  # fail closed without the table
             _table_for_cut(sup, config, deadline)
         marks.append(("barrier", time.monotonic()))
-        if by_positions:  # NOTE [ Positions checkpoint ] in checkpoint/positions.py
-            answers, rows = positions.cut_rows(sup, config, answers, copy_buffer, handed)
-            marks.append(("list", time.monotonic()))
-        else:
-            if saved is None:
-                raise AssertionError("a cut of saved rows without its arrays")
-            listed = saved.list_rows(sup, answers, copy_buffer=copy_buffer)
-            _wait(sup, barrier, number, cutbarrier.LISTED, deadline)
-            marks.append(("list", time.monotonic()))
-            readers.resume()  # the node delivers again; its writers stay held until every rank copied
-            rows = listed.copy()
-            marks.append(("copy", time.monotonic()))
+        listed = saved.list_rows(sup, answers, coverage, handed)
+        _wait(sup, barrier, number, cutbarrier.LISTED, deadline)
+        marks.append(("list", time.monotonic()))
+        readers.resume()  # the node delivers again; its writers stay held until every rank copied
+        rows = listed.copy()
+        marks.append(("copy", time.monotonic()))
         _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
-        return answers, rows
+        return coverage.rebased(answers), rows
     finally:
         if pause:
             readers.resume()

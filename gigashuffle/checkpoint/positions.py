@@ -9,7 +9,8 @@ stream, kept across respawns and resumes (procs/positions.py). The writer stamps
 into its ring slot beside the rows. Each writer keeps its dataset's state before each of its recent chunks (the
 ``state_dict()`` it takes anyway before a fetch, NOTE [ Respawned writers ]): those of the chunks begun within
 ``KEEP_BUFFERS * shuffle_size`` of its own rows, the oldest dropped first.
-The cut is NOTE [ Checkpoint cut ] (checkpoint/cut.py) with step 4 changed. Each writer answers, besides its state,
+The cut is NOTE [ Checkpoint cut ] (checkpoint/cut.py), the same steps and barriers, with fewer rows listed in step
+4 (``Coverage``; the saved-rows way is its case of nothing covered). Each writer answers, besides its state,
 ``head`` (the stream row past every row it committed) and its kept states; once the node is paused each rank
   * reads the origins of the buffer's full slots and of its own announced-not-delivered batches;
   * for each of its writers collects the stream rows of that writer's lane that are at or after its oldest kept
@@ -48,15 +49,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gigashuffle.checkpoint.savedrows import copy_rows
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
-from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.positions import LANE_SHIFT, ROW_MASK, lane_of
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.rowblock import NO_ROWS, RowBlock
+from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer.supervisor import Supervisor
 
 _NONE = np.empty(0, dtype=np.int64)
@@ -119,60 +119,48 @@ def traced(batches: Sequence[Any], sup: Supervisor) -> tuple[list[tuple[ChildPro
     return found, rest
 
 
-def cut_rows(
-    sup: Supervisor,
-    config: DataloaderConfig,
-    answers: list[DatasetState],
-    copy_buffer: bool,
-    handed: Sequence[tuple[ChildProcess, int]] = (),
-) -> tuple[list[DatasetState], RowBlock]:
-    """Step 4 of the cut by positions: the writers' answers re-based (state at ``at``, the unconsumed rows found)
-    and the rows that must be saved as rows; ``handed``: batches handed out
-    and passed back as unconsumed, in their ring slots (``traced``)."""
-    by_lane = {lane_of(config.local_rank, config.num_writers, a.index): a for a in answers}
-    kept = {lane: a.positions["retained"] for lane, a in by_lane.items() if a.positions}
-    oldest = {lane: states[0][0] for lane, states in kept.items() if states}
-    found: dict[int, list[Any]] = {lane: [] for lane in oldest}
-    pieces: list[list[Any]] = []  # per source, per field: rows to save
-    layout_json = ""
-    for answer in answers:  # a checkpoint's saved rows a writer had not put back yet
-        if len(answer.rows):
-            pieces.append([np.asarray(f) for f in answer.rows.fields])
-            layout_json = answer.rows.layout_json
-    for child, k in [*sup.inbox.waiting(), *handed]:
-        if child.ring is None:
-            raise AssertionError("a batch announced by a reader without a ring")
-        keep = ~_covered(child.ring.origins(k).copy(), oldest, found)
-        if keep.any():
-            pieces.append([f.numpy()[keep] for f in child.ring.regions(k)[0]])
-        layout_json = layout_json or child.ring.layout.to_json()
-    table = sup.table()
-    buffer, ids = None, _NONE
-    if table is not None:
-        if failpoints.ACTIVE and copy_buffer:
-            failpoints.reached("cut.before_buffer_list")
-        full = table.full_ids()
-        origins = table.origin[full]
-        # Whose rows this rank saves when no writer of its re-reads them: its own lanes', and on local rank 0
+class Coverage:
+    """Which of the rows a rank lists at a cut a writer of the node writes again on a resume, so the cut does not
+    save them (NOTE [ Positions checkpoint ]): by positions, those of its writers' lanes at or after their oldest
+    kept state. The saved-rows way is the case of nothing covered (``by_positions=False``): every listed row is
+    saved, and only ``copy_buffer`` (local rank 0) lists the buffer."""
+
+    def __init__(
+        self, config: DataloaderConfig, answers: list[DatasetState], by_positions: bool, copy_buffer: bool
+    ) -> None:
+        self.by_positions = by_positions
+        self.copy_buffer = copy_buffer
+        self._by_lane = {lane_of(config.local_rank, config.num_writers, a.index): a for a in answers}
+        kept = {lane: a.positions["retained"] for lane, a in self._by_lane.items() if by_positions and a.positions}
+        self._oldest = {lane: states[0][0] for lane, states in kept.items() if states}
+        self._found: dict[int, list[Any]] = {lane: [] for lane in self._oldest}
+        # Whose buffer rows this rank saves when no writer of its re-reads them: its own lanes', and on local rank 0
         # those of no writer of the node (no origin, index 0; lanes past the node's, the last entry).
-        node_lanes = config.local_world_size * config.num_writers
-        saves = np.zeros(node_lanes + 2, dtype=bool)
+        saves = np.zeros(config.local_world_size * config.num_writers + 2, dtype=bool)
         first_lane = config.local_rank * config.num_writers
         saves[first_lane + 1 : first_lane + 1 + config.num_writers] = True
         saves[0] = saves[-1] = copy_buffer
-        ids = full[_covered(origins, oldest, found, saves)]
-        buffer = sup.node_table.rows()
-        layout_json = buffer.layout.to_json()
-        if failpoints.ACTIVE and copy_buffer:  # the copy (of these rows, often none) runs in the pause
-            failpoints.reached("cut.before_buffer_copy")
-    rebased = [_found(a, lane, found) for lane, a in by_lane.items()]
-    total = len(ids) + sum(len(p[0]) for p in pieces)
-    if not total:
-        return rebased, RowBlock()
-    widths = [s.row_bytes for s in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
-    views = [np.empty((total, width), dtype=np.uint8) for width in widths]
-    copy_rows(views, buffer, ids, pieces)
-    return rebased, RowBlock(layout_json, tuple(torch.from_numpy(v) for v in views))
+        self._saves = saves
+
+    @property
+    def lists_buffer(self) -> bool:
+        """Whether this rank lists the buffer's full slots (every rank by positions: its own lanes')."""
+        return self.copy_buffer or self.by_positions
+
+    def ring_rows(self, origins: np.ndarray[Any, Any]) -> Any:
+        """Which rows of a ring batch to save (None: all); the rest are noted as found."""
+        return ~_covered(origins.copy(), self._oldest, self._found) if self.by_positions else None
+
+    def buffer_ids(self, table: SlotTable) -> Any:
+        """The buffer's full slots whose rows this rank saves."""
+        full = table.full_ids()
+        if not self.by_positions:
+            return full
+        return full[_covered(table.origin[full], self._oldest, self._found, self._saves)]
+
+    def rebased(self, answers: list[DatasetState]) -> list[DatasetState]:
+        """The writers' answers with their unconsumed stream rows as found (``entry_of`` makes entries of them)."""
+        return [_found(a, lane, self._found) for lane, a in self._by_lane.items()] if self.by_positions else answers
 
 
 def _found(answer: DatasetState, lane: int, found: dict[int, list[Any]]) -> DatasetState:

@@ -14,6 +14,7 @@ sixteenth of the buffer plus the rings' empty slots), held only during ``state_d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from gigashuffle.checkpoint.positions import Coverage
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
+from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.rowblock import RowBlock
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SlotBuffer
@@ -35,17 +38,19 @@ Rows = npt.NDArray[np.uint8]
 class SavedRows:
     """One cut's arrays for the rows it saves; built before the pause, ``list_rows`` in it."""
 
-    def __init__(self, sup: Supervisor, *, copy_buffer: bool) -> None:
-        table = sup.table() if copy_buffer else None
-        self.buffer: SlotBuffer | None = sup.node_table.rows_for_cut() if table is not None else None
+    def __init__(self, sup: Supervisor, *, copy_buffer: bool, ahead: bool = True) -> None:
+        """``ahead=False``: nothing is made ready (a cut by positions saves few rows)."""
+        self._arrays: list[Rows] = []
+        self.buffer: SlotBuffer | None = None
+        table = sup.table() if copy_buffer and ahead else None
+        self.buffer = sup.node_table.rows_for_cut() if table is not None else None
         layout: Layout | None = self.buffer.layout if self.buffer is not None else None
         ring_rows = 0
         for child in sup.readers():
             if child.ring is not None:
                 ring_rows += child.ring.depth * child.ring.bs
                 layout = layout or child.ring.layout
-        self._arrays: list[Rows] = []
-        if layout is None:
+        if layout is None or not ahead:
             return
 
         fulls: list[int] = []
@@ -69,12 +74,20 @@ class SavedRows:
             for array in self._arrays:
                 fault_in_for_write(array)
 
-    def list_rows(self, sup: Supervisor, answers: list[DatasetState], *, copy_buffer: bool) -> Listed:
-        """In the pause: which rows the cut saves (every full slot of the buffer, ``copy_buffer``: one rank of a node
-        lists it; every batch announced and not handed out; the rows of the last checkpoint that a writer had not
-        yet put back), and the arrays sized for them. The copy may run once the readers go on (``Listed.copy``)."""
-        table = sup.table() if copy_buffer else None
-        if failpoints.ACTIVE and table is not None:
+    def list_rows(
+        self,
+        sup: Supervisor,
+        answers: list[DatasetState],
+        coverage: Coverage,
+        handed: Sequence[tuple[ChildProcess, int]] = (),
+    ) -> Listed:
+        """In the pause: which rows the cut saves (those ``coverage`` does not cover of: the buffer's full slots,
+        where this rank lists them; every batch announced and not handed out, and ``handed``, batches handed out
+        and passed back as unconsumed; the rows of the last checkpoint that a writer had not yet put back), and the
+        arrays sized for them. The copy may run once the readers go on (``Listed.copy``)."""
+        table = sup.table() if coverage.lists_buffer else None
+        marked = failpoints.ACTIVE and table is not None and coverage.copy_buffer
+        if marked:
             failpoints.reached("cut.before_buffer_list")
         pieces: list[list[Any]] = []  # per source, per field: rows to copy as they are
         layout_json = ""
@@ -82,24 +95,28 @@ class SavedRows:
             if len(answer.rows):
                 pieces.append([np.asarray(f) for f in answer.rows.fields])
                 layout_json = answer.rows.layout_json
-        for child, k in sup.inbox.waiting():
+        for child, k in [*sup.inbox.waiting(), *handed]:
             if child.ring is None:
                 raise AssertionError("a batch announced by a reader without a ring")
-            pieces.append([f.numpy() for f in child.ring.regions(k)[0]])
+            wanted = coverage.ring_rows(child.ring.origins(k))
+            if wanted is None:
+                pieces.append([f.numpy() for f in child.ring.regions(k)[0]])
+            elif wanted.any():
+                pieces.append([f.numpy()[wanted] for f in child.ring.regions(k)[0]])
             layout_json = layout_json or child.ring.layout.to_json()
         buffer, ids = None, np.empty(0, dtype=np.int64)
         if table is not None:
             buffer = self.buffer or sup.node_table.rows()
             layout_json = buffer.layout.to_json()
-            ids = table.full_ids()
+            ids = coverage.buffer_ids(table)
         total = len(ids) + sum(len(fields[0]) for fields in pieces)
         if not total:
             self._arrays = []
-            return Listed(layout_json, [], None, ids, [])
+            return Listed(layout_json, [], None, ids, [], marked)
         widths = (
             [spec.row_bytes for spec in buffer.layout.fields] if buffer is not None else [a.shape[1] for a in pieces[0]]
         )
-        return Listed(layout_json, self._sized(total, widths), buffer, ids, pieces)
+        return Listed(layout_json, self._sized(total, widths), buffer, ids, pieces, marked)
 
     def _sized(self, total: int, widths: list[int]) -> list[Rows]:
         """The prepared arrays resized to ``total`` rows in place (no copy), or new ones if there are none."""
@@ -124,6 +141,7 @@ class Listed:
     buffer: SlotBuffer | None
     ids: Any  # the buffer's full slots at the cut
     pieces: list[list[Any]]  # per source (a writer's rows not put back, a ring batch), per field: rows as they are
+    marked: bool = False  # the copy of the buffer's rows reaches the fail point "cut.before_buffer_copy"
 
     def copy(self) -> RowBlock:
         """Copy the listed rows into their arrays: each row once, straight into its place. The buffer's rows may be
@@ -131,7 +149,7 @@ class Listed:
         again: the cut holds the node's writers until every rank copied (NOTE [ Checkpoint cut ])."""
         if not self.views:
             return RowBlock()
-        if failpoints.ACTIVE and self.buffer is not None:
+        if self.marked and self.buffer is not None:
             failpoints.reached("cut.before_buffer_copy")
         copy_rows(self.views, self.buffer, self.ids, self.pieces)
         return RowBlock(self.layout_json, tuple(torch.from_numpy(v) for v in self.views))

@@ -3,7 +3,9 @@
 After ``load_state_dict`` each writer copies only its share of the node's first mix and then waits for the first
 read (NOTE [ First mix ] in procs/firstmix.py). A writer whose share ends inside a chunk waits there; a
 ``state_dict()`` then must count the rows of that chunk it copied as in the buffer. Answered from the chunk's start
-(as it once was), the resume wrote them again (saved rows) or refused the checkpoint as damaged (positions).
+(as it once was), the resume wrote them again (saved rows). By positions without a filter that answer does no harm
+(the rows past the answered head are found and read once more from ``until``); with a filter it made the checkpoint
+one that load_state_dict refuses as damaged: test_checkpoint_mutations.py has that case.
 
 Writer 1 sleeps before its first chunk after the resume, so writer 0's share is in (and the readers cannot start)
 for as long: the cut comes inside that window, which the test checks rather than assumes.

@@ -14,19 +14,19 @@ again later). A run ends when every trainer has taken its checkpoint; then the c
 row handed to a trainer before its ``state_dict()`` plus every row the resume brings back (the saved rows, and
 each writer's stream from its saved state after its skip) must be the pass's rows, each exactly once.
 
-Both ways of a checkpoint (``Config.positions``). Saved rows: NOTE [ Checkpoint cut ] (trainer/cut.py). By
-positions, NOTE [ Positions checkpoint ] (trainer/positions.py, procs/positions.py): each writer keeps a
+Both ways of a checkpoint (``Config.positions``). Saved rows: NOTE [ Checkpoint cut ] (checkpoint/cut.py). By
+positions, NOTE [ Positions checkpoint ] (checkpoint/positions.py, procs/positions.py): each writer keeps a
 ``Track`` (its base, the states before its recent chunks within ``keep_rows`` of its own rows, its filter, the
-current chunk's stream rows) as fields of ``Writer``, stamps each row's origin (lane, stream row) into the
-table's ``origin`` column, and answers a ``StateRequest`` with ``Track.answer`` (at, head, kept states, keep,
-until). The cut (``_cut_rows``, positions.cut_rows and _covered) collects per lane the stream rows at or after
-the oldest kept state from the full slots and the announced batches' origins, and saves every other row of its
-lanes (of any lane in its own rings; on local rank 0 rows of no lane) as a row; ``_entry_of`` is
-positions.entry_of; the resume (``check``) refuses an entry ``positions.checked`` would refuse, and else writes
-the rows of ``keep`` and every row from ``until`` on, from ``state`` taken as stream row ``at``. A run can itself
-start from a positions checkpoint (``resumed_filter``), so a writer's filter, its ``Track.select`` and a
-respawn's ``filtered_commits`` are explored too. The positions way has no LISTED barrier and resumes its readers
-only in the cut's ``finally`` (cut.take).
+current chunk's stream rows) as fields of ``Writer``, stamps each row's origin (lane, stream row) into the table's
+``origin`` column, and answers a ``StateRequest`` with ``Track.answer`` (at, head, kept states, keep, until). The
+cut (``_cut_rows``: SavedRows.list_rows with positions.Coverage and _covered) collects per lane the stream rows at
+or after the oldest kept state from the full slots and the announced batches' origins, and saves every other row of
+its lanes (of any lane in its own rings; on local rank 0 rows of no lane) as a row; ``_entry_of`` is
+positions.entry_of; the resume (``check``) refuses an entry ``positions.checked`` would refuse, and else writes the
+rows of ``keep`` and every row from ``until`` on, from ``state`` taken as stream row ``at``. A run can itself start
+from a positions checkpoint (``resumed_filter``), so a writer's filter, its ``Track.select`` and a respawn's
+``filtered_commits`` are explored too. Both ways take the same steps and barriers (PAUSED, LISTED, the readers
+resumed, the copy, COPIED); by positions the rows of a ring batch are taken when listed.
 
 What is real and what is a model. The real loops block on sockets, threads and ``flock``, and cannot be stopped
 between two steps, so they are transcribed: the comment at each rule names the code it follows (line numbers as
@@ -879,20 +879,20 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         return _pump(cfg, _put_trainer(w, t), rank)
     if pc == "b_paused":
         return _barrier(cfg, w, t, PAUSED, "plist" if cfg.positions else "list", cfg.skip_paused)
-    if pc == "plist":  # positions.cut_rows: collect the unconsumed stream rows, save the others (and copy them)
-        found, rows = _cut_rows(cfg, w, t)
-        return _put_trainer(w, t._replace(listed=found, rows=rows, pc="b_copied"))
-    if pc == "list":  # SavedRows.list_rows (savedrows.py:72-100): leftovers, announced batches, full slots
+    if pc == "plist":  # SavedRows.list_rows with positions.Coverage: the unconsumed stream rows found, the rest
+        found, taken, ids = _cut_rows(cfg, w, t)  # a ring batch's rows saved are copied as listed (fancy indexing)
+        return _put_trainer(w, t._replace(listed=(taken, (), ids, found), pc="b_listed"))
+    if pc == "list":  # SavedRows.list_rows (savedrows.py): leftovers, announced batches, full slots
         leftovers = tuple(r for a in t.answers for r in (a[5] if a is not None else ()))
         ids = tm.full_ids(w.table) if rank == 0 else ()
-        return _put_trainer(w, t._replace(listed=(leftovers, t.inbox, ids), pc="b_listed"))
+        return _put_trainer(w, t._replace(listed=(leftovers, t.inbox, ids, ()), pc="b_listed"))
     if pc == "b_listed":
         return _barrier(cfg, w, t, LISTED, "r_resume", cfg.skip_listed)
     if pc == "r_resume":  # cut.py:119 readers.resume()
         w, t = _resume_readers(w, t)
         return _put_trainer(w, t._replace(pc="copy"))
     if pc == "copy":  # Listed.copy (savedrows.py:129-138, copy_rows 141-149): the bytes as they are now
-        leftovers, batches, ids = t.listed
+        leftovers, batches, ids, _found = t.listed
         copied: list[Row | None] = [w.table.row[i] for i in ids]
         for seq, k in batches:
             reader = w.children[_find(w, seq)]
@@ -919,17 +919,20 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
     if pc == "f_end":  # CutState.end: children start unpaused, the paused readers are forgotten; collect's entries
         t = t._replace(cutting=False, paused=frozenset())
         if not t.failed:  # datasetstate.collect: entry_of per answer
-            by_lane: dict[int, tuple[int, ...]] = dict(t.listed) if cfg.positions else {}
+            by_lane: dict[int, tuple[int, ...]] = dict(t.listed[3]) if cfg.positions else {}
             states = tuple(_entry_of(cfg, rank, a, by_lane) for a in t.answers if a is not None)
             t = t._replace(checkpoint=(t.before, states, t.rows), cuts_left=t.cuts_left - 1)
         return _put_trainer(w, t._replace(pc="train" if t.cuts_left else "done"))
     raise ModelError(f"trainer pc {pc}")
 
 
-def _cut_rows(cfg: Config, w: World, t: Trainer) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[Row, ...]]:
-    """positions.cut_rows and _covered, row by row: (per lane of this rank, the stream rows found at or after its
-    oldest kept state), and the rows saved as rows: the answers' leftovers, announced batches' rows not covered
-    (any lane), and full slots not covered of this rank's lanes (on local rank 0 also of no lane of the node)."""
+def _cut_rows(
+    cfg: Config, w: World, t: Trainer
+) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[Row, ...], tuple[int, ...]]:
+    """The listing with positions.Coverage and _covered, row by row: (per lane of this rank, the stream rows found
+    at or after its oldest kept state), the rows saved as rows taken now (the answers' leftovers, announced
+    batches' rows not covered, any lane) and the full slots to copy later (not covered, of this rank's lanes; on
+    local rank 0 also of no lane of the node)."""
     rank = t.rank
     oldest = {}
     for a in t.answers:
@@ -942,10 +945,8 @@ def _cut_rows(cfg: Config, w: World, t: Trainer) -> tuple[tuple[tuple[int, tuple
         assert isinstance(reader, Reader)
         batch, _n, origins = reader.ring[k]
         rows.extend(r for r, o in zip(batch, origins, strict=True) if classify(cfg, rank, o, oldest, found, False))
-    for i in tm.full_ids(w.table):  # the table is mapped here (table_for_cut)
-        if classify(cfg, rank, w.table.origin[i], oldest, found, True):
-            rows.append(w.table.row[i])
-    return tuple((lane, tuple(f)) for lane, f in found.items()), tuple(r for r in rows if r is not None)
+    ids = tuple(i for i in tm.full_ids(w.table) if classify(cfg, rank, w.table.origin[i], oldest, found, True))
+    return tuple((lane, tuple(f)) for lane, f in found.items()), tuple(r for r in rows if r is not None), ids
 
 
 def classify(
