@@ -126,7 +126,7 @@ def run(workload: str, shuffle_size: int, bs: int, batches: int, cuts: int, roun
                 which = "first" if cut == 0 else "later"
                 note(f"state_dict_{which}_s", time.perf_counter() - t0)
                 note(f"pause_{which}_s", loader._checkpoints.last_cut_s)
-                for part, seconds in getattr(loader._sup, "cut_parts", {}).items():  # older trees: none
+                for part, seconds in loader._checkpoints.cut_parts.items():
                     note(f"part_{part}_s", seconds)
                 saved = state[rank_key(cfg.global_rank)]["rows"]
                 note("saved_rows", float(saved["count"]) if saved else 0.0)
