@@ -27,6 +27,16 @@ def process_start(pid: int) -> int:
     return int(text[text.rindex(b")") + 2 :].split()[19])
 
 
+def parent_of(pid: int) -> int:
+    """``pid``'s parent (field 4 of ``/proc/<pid>/stat``); 0 if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            text = stat_file.read()
+    except OSError:
+        return 0
+    return int(text[text.rindex(b")") + 2 :].split()[1])
+
+
 def pid_namespace() -> int:
     """The inode of this process's pid namespace: processes in other namespaces see other pids."""
     return os.stat("/proc/self/ns/pid").st_ino

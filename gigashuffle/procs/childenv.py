@@ -27,7 +27,13 @@ from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs.attach import AttachServer, attach
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.forgottenbuffer import ServedBuffer, attach_info, buffer_scope, find_served_buffer
+from gigashuffle.procs.forgottenbuffer import (
+    ServedBuffer,
+    attach_info,
+    buffer_scope,
+    find_served_buffer,
+    trainer_of_this_child,
+)
 from gigashuffle.procs.messages import Role
 from gigashuffle.resumepoint import ResumePoint
 from gigashuffle.schema import Layout
@@ -105,6 +111,7 @@ class ChildEnv:
         self.runtime_dir = Path(spec.runtime_dir)
         self.secret = node_secret(self.runtime_dir)
         self.scope = buffer_scope(spec.redis_url, spec.config.queue_name, spec.config.node)
+        self.trainer = trainer_of_this_child()  # said in the attach reply: NOTE [ A buffer Redis forgot ]
         self.buffer: SlotBuffer | None = None
         self.table: SlotTable | None = None
         self.server: AttachServer | None = None
@@ -244,14 +251,14 @@ class ChildEnv:
         fds = (self.buffer.memory.fd, self.table.fd)
         # Found in the runtime directory only once published: NOTE [ A buffer Redis forgot ].
         scope = self.scope if register else None
-        self.server = AttachServer(path, fds, attach_info(scope, self.buffer.nbytes, self.meta_fields))
+        self.server = AttachServer(path, fds, attach_info(scope, self.buffer.nbytes, self.meta_fields, self.trainer))
         if register:
             self.register()
 
     def _announce(self) -> None:
         """Say the scope in the attach reply of a buffer whose publication won."""
         if self.server is not None and self.buffer is not None:
-            self.server.set_info(attach_info(self.scope, self.buffer.nbytes, self.meta_fields))
+            self.server.set_info(attach_info(self.scope, self.buffer.nbytes, self.meta_fields, self.trainer))
 
     # -- a new session (NOTE [ Rejoining ] in trainer/rejoin.py) ---------------------------------------------------
     def rejoin(self, generation: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import leaks
 import pytest
 
+from gigashuffle.host.pids import process_start
 from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.procs.attach import AttachServer
 from gigashuffle.procs.forgottenbuffer import attach_info, buffer_scope, find_served_buffer
@@ -84,6 +85,35 @@ def test_a_buffer_is_found_only_once_it_says_its_scope(runtime_dir: Path) -> Non
         server.set_info(attach_info(scope, 4096, FIELDS))
         found = find_served_buffer(runtime_dir, scope)
         assert found is not None and found.fields == FIELDS
+        os.close(found.buffer_fd)
+        os.close(found.table_fd)
+    finally:
+        server.close()
+        buffer.close()
+        table.close()
+
+
+def test_a_buffer_whose_trainer_is_gone_is_not_adopted(runtime_dir: Path) -> None:
+    """A previous run's children serve its buffer for a moment after their trainer died (until the zygote notices):
+    a new run (a resume) must not adopt it. The reply names the trainer; a dead one's buffer is passed over."""
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    dead = (gone, process_start(gone))  # a zombie still has its start time
+    os.waitpid(gone, 0)
+    assert dead[1] != 0 and process_start(gone) != dead[1], "the trainer named is dead"
+    scope = buffer_scope("redis://h:6379/0", "q", "node-a")
+    buffer, table = SharedMemory(4096), SharedMemory(4096)
+    assert buffer.fd is not None and table.fd is not None
+    server = AttachServer(attach_socket_path(1_000_004, runtime_dir), (buffer.fd, table.fd),
+                          attach_info(scope, 4096, FIELDS, dead))  # fmt: skip
+    before = leaks.memfd_fds()
+    try:
+        assert find_served_buffer(runtime_dir, scope) is None
+        assert leaks.memfd_fds() == before, "the passed-over buffer's fds were closed"
+        server.set_info(attach_info(scope, 4096, FIELDS, (os.getpid(), process_start(os.getpid()))))
+        found = find_served_buffer(runtime_dir, scope)
+        assert found is not None and found.fields == FIELDS, "a live trainer's buffer is found"
         os.close(found.buffer_fd)
         os.close(found.table_fd)
     finally:
