@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import json
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
 from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.shm.buffer import SharedMemory
-from gigashuffle.shm.journal import H_EMPTY, H_FULL, H_LENGTH
+from gigashuffle.shm.journal import H_LENGTH
 from gigashuffle.shm.slottable import (
     EMPTY,
     FULL,
@@ -88,8 +89,10 @@ def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool =
     """
     with node_table(url, keys, shuffle_size) as table:
         assert table is not None, "no process serves the node buffer and its slot table"
-        with table._locked():  # rolls forward an op a dead holder journaled: the journal is empty after it
-            state, holder, header = table.state.copy(), table.holder.copy(), table._header.copy()
+        with table._locked():  # rolls forward an op a dead holder journaled: the journals are empty after it
+            state, holder = table.state.copy(), table.holder.copy()
+            journaled = sum(int(s.header[H_LENGTH]) for s in table._stripes) + int(table._wide.header[H_LENGTH])
+            counted = table.counts()[2]  # the stripes' headers' counts, summed (NOTE [ Stripes ])
     with redis.Redis.from_url(url, socket_timeout=10.0) as client:
         procs = {int(json.loads(v)["pid"]) for v in client.hvals(keys.procs)}
     assert len(state) == shuffle_size
@@ -97,10 +100,9 @@ def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool =
     assert not unknown, f"slots in unknown states {unknown}"
     held = np.isin(state, (WRITING, READING, READING_EVICT))
     empty, full = int((state == EMPTY).sum()), int((state == FULL).sum())
-    assert int(header[H_LENGTH]) == 0, "a journaled op was left after the lock's roll-forward"
-    assert (int(header[H_FULL]), int(header[H_EMPTY])) == (full, empty), (
-        f"the header counts {int(header[H_FULL])} full and {int(header[H_EMPTY])} empty slots, the states {full} "
-        f"and {empty}"
+    assert journaled == 0, "a journaled op was left after the lock's roll-forward"
+    assert (counted.full, counted.empty) == (full, empty), (
+        f"the headers count {counted.full} full and {counted.empty} empty slots, the states {full} and {empty}"
     )
     if settled:
         orphans = sorted(p for p in set(holder[held].tolist()) if p not in procs or not psutil.pid_exists(p))
@@ -109,12 +111,17 @@ def audit_slots(url: str, keys: QueueKeys, shuffle_size: int, *, settled: bool =
 
 
 def lock_is_free(table: SlotTable) -> bool:
-    """True if nobody holds the node lock (probed through a fresh open file description of the table's memfd)."""
+    """True if nobody holds a lock of the table: stripe 0's flock, nor any other stripe's OFD lock on its byte (NOTE
+    [ Stripe locks ] in shm/nodelock.py), probed through a fresh open file description of the table's memfd."""
     if table.fd is None:
         raise AssertionError("table has no fd")
     fd = os.open(f"/proc/self/fd/{table.fd}", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for k in range(1, table.stripes):
+            probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, k, 1, 0))
+            if struct.unpack("hhqqi4x", probe)[0] != fcntl.F_UNLCK:
+                return False
     except BlockingIOError:
         return False
     finally:

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 # A reader holds at most one in this many of the buffer's slots at once (NOTE [ Reader cycle ]).
 _HELD_ONE_IN = 8
+# A draw is all in one stripe (NOTE [ Stripes ] in shm/stripes.py), chosen among those with as many full slots: it
+# takes at most one in this many of a stripe's slots, so that a stripe is rarely short of them.
+_STRIPE_ONE_IN = 4
 
 
 def _open_ring(env: ChildEnv, counters: ChildCounters) -> tuple[SlotBuffer, SlotTable, BatchRing]:
@@ -143,7 +146,7 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     cfg = env.config
     me = os.getpid()
     bs, min_full, evict = cfg.bs, cfg.min_full_slots, cfg.evict_on_read  # min_full_slots is computed per access
-    most = max(1, cfg.shuffle_size // (_HELD_ONE_IN * bs))  # batches per draw
+    most = max(1, min(cfg.shuffle_size // (_HELD_ONE_IN * bs), table.stripe_slots // (_STRIPE_ONE_IN * bs)))
     free: deque[int] = deque(range(ring.depth))
     backoff = Backoff()
     chores = Housekeeping(env)

@@ -23,6 +23,9 @@ table holds):
   the version clock, which an acquire moves past the versions it allots.
 - A commit or a release may move a lane too (NOTE [ Lanes ] in shm/lanes.py): the op journals the lane and its new
   value, and applying the op sets it, so a process's count of its rows or batches moves with them, atomically.
+- A table in stripes (NOTE [ Stripes ] in shm/stripes.py) has one such journal, header and set of counts and lanes
+  per stripe, each under its stripe's lock, and one more, the wide journal, for the ops that hold every lock and
+  move slots of several stripes: it journals every stripe's new counts with the ids (``WideJournal``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ H_MAGIC, H_SLOTS, H_LENGTH, H_OP, H_PID = 0, 1, 2, 3, 4
 H_CLOCK, H_WRITTEN, H_READ, H_JCOUNT, H_FULL, H_JFULL, H_EMPTY, H_JEMPTY = 5, 6, 7, 8, 9, 10, 11, 12
 H_HELD_NS, H_HOLDS, H_PIDNS = 13, 14, 15
 H_LANE, H_JLANE = 16, 17
+# Stripes (NOTE [ Stripes ] in shm/stripes.py): the pid holding the stripe's lock (NOTE [ Stripe locks ] in
+# shm/nodelock.py), and in stripe 0's header, which is also the table's, the number of stripes.
+H_OWNER, H_STRIPES = 18, 19
+MAX_STRIPES = 64
+WIDE_BYTES = HEADER_BYTES + 16 * MAX_STRIPES  # the wide journal's header, then each stripe's journaled counts
 
 OP_ACQUIRE, OP_COMMIT, OP_DRAW, OP_RELEASE_KEEP, OP_RELEASE_EVICT, OP_EVICT, OP_REPAIR, OP_GIVE_BACK = range(1, 9)
 
@@ -151,3 +159,32 @@ class Journal:
             state[ids.compress(old == READING)] = FULL
         else:
             raise AssertionError(f"unknown slot table op {op} in the journal")
+
+
+class WideJournal(Journal):
+    """The journal of the ops that take every stripe's lock and move slots of several stripes (NOTE [ Stripes ] in
+    shm/stripes.py): the same protocol over a header of its own, with each stripe's new full and empty counts
+    journaled after it and set by ``apply``. Its own rows-read counter counts the slots its releases move."""
+
+    def __init__(self, header: Header, counts: Header, stripe_words: list[memoryview], ids: npt.NDArray[np.int32],
+                 state: npt.NDArray[np.uint8], holder: npt.NDArray[np.int32], lanes: Header) -> None:  # fmt: skip
+        super().__init__(header, ids, state, holder, lanes)
+        self.counts = counts.data  # per stripe: new full count, new empty count
+        self.stripe_words = stripe_words
+
+    def commit_wide(
+        self, op: int, pid: int, ids: SlotIds, full: list[int], empty: list[int], lane: int = -1, step: int = 0
+    ) -> None:
+        """Journal ``op`` on ``ids`` (of any stripes) with every stripe's counts once it is applied, apply it."""
+        if len(ids) == 0:
+            return
+        counts = self.counts
+        for k, (f, e) in enumerate(zip(full, empty, strict=True)):
+            counts[2 * k], counts[2 * k + 1] = f, e
+        self.commit(op, pid, ids, -1, -1, lane, step)
+
+    def apply(self, op: int, pid: int, ids: SlotIds) -> None:
+        super().apply(op, pid, ids)
+        counts = self.counts
+        for k, words in enumerate(self.stripe_words):
+            words[H_FULL], words[H_EMPTY] = counts[2 * k], counts[2 * k + 1]

@@ -9,8 +9,10 @@ A process killed between a transition and its own bookkeeping of it breaks exact
 So the count moves with the transition itself: the commit and the release journal the new value of the process's
 lane together with the slots they move (NOTE [ Slot journal ] in shm/journal.py), and a roll-forward sets it again.
 Whatever instruction a process dies at, its lane counts exactly the rows committed (or the batches released) by
-it and its predecessors on that lane. The trainer reads the lane under the node lock after a death (the lock's
-roll-forward first completes an op the dead process was inside) and:
+it and its predecessors on that lane. With stripes (NOTE [ Stripes ] in shm/stripes.py) each stripe has its own
+cell of every lane, moved by that stripe's ops, and a lane's value is the sum of its cells. The trainer reads the
+lane under every stripe's lock after a death (each lock's roll-forward first completes an op the dead process was
+inside) and:
   * for a writer: its committed rows are ``lane - base``, where ``base`` is the lane's value when the writer's
     stream started minus the rows skipped (the writer stores it in its own counter page, procs/resume.py);
   * for a reader: every batch gathered into its ring carries its sequence number ``lane + i + 1`` (written

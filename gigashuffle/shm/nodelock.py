@@ -30,6 +30,16 @@ Every writer and reader of the node waits on this lock, so no path may leave it 
   would name the dead parent). So an ``os.register_at_fork`` hook closes every lock description in the child at
   once (the parent's lock is untouched: its own fd still refers to it) and gives the child fresh thread locks;
   the child opens its own description on first use.
+
+NOTE [ Stripe locks ]
+A table split into stripes (NOTE [ Stripes ] in shm/stripes.py) has one lock per stripe. ``flock`` locks a whole
+file, so stripe 0 keeps the file's ``flock`` (a one-stripe table locks exactly as before, and a tool or test that
+flocks the memfd still holds the node) and stripe ``k >= 1`` takes an open-file-description (OFD) write lock on byte
+``k`` of the same memfd (``F_OFD_SETLKW``). OFD locks belong to the description as ``flock`` does, so everything
+above holds for them unchanged: the kernel drops them when the holder dies, a fork's copy is closed by the hook, a
+wait is interrupted by a signal as ``flock`` is, and ``flock`` and OFD locks never conflict with each other. What
+differs: ``/proc/locks`` names no pid for an OFD lock, so each stripe's holder stores its pid in its stripe's
+header while it holds the lock (``holder()`` trusts that word only while the kernel reports the byte locked).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import _signal
 import fcntl
 import os
 import signal
+import struct
 import threading
 import time
 import weakref
@@ -78,8 +89,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class NodeLock:
     """The lock of the slot table in ``memory`` (the memfd must stay open while the lock is used)."""
 
-    def __init__(self, memory: SharedMemory) -> None:
+    def __init__(self, memory: SharedMemory, index: int = 0, owner: memoryview | None = None) -> None:
         self._memory = memory
+        self.index = index  # 0: the file's flock; k >= 1: an OFD lock on byte k (NOTE [ Stripe locks ])
+        self._owner = owner  # a word of the stripe's header: this holder's pid while it holds an OFD lock
+        self._set_lock = _ofd_arg(fcntl.F_WRLCK, index)
+        self._unset_lock = _ofd_arg(fcntl.F_UNLCK, index)
         self._thread_lock = threading.Lock()
         self._fd = -1
         self._opened_by = -1  # the pid that opened self._fd
@@ -95,7 +110,7 @@ class NodeLock:
             try:
                 if self._opened_by != _pid[0]:
                     self._open_own_description()
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                self._lock_wait()
             except BaseException:
                 self._unlock_unknown()
                 raise
@@ -129,15 +144,15 @@ class NodeLock:
             if self._opened_by != _pid[0]:
                 self._open_own_description()
             if not blocking:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_try()
             elif deferred:
                 interrupts.begin_wait()  # a Ctrl-C's exception ends the wait: NOTE above
                 try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX)
+                    self._lock_wait()
                 finally:
                     interrupts.end_wait()
             else:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                self._lock_wait()
             return True
         except BlockingIOError:
             self._thread_lock.release()
@@ -150,13 +165,32 @@ class NodeLock:
         """Whether the flock was taken is unknown: unlock regardless (a no-op if not held), then the thread lock."""
         try:
             if self._fd >= 0:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._unlock()
         finally:
             self._thread_lock.release()
 
+    # The three lock calls (NOTE [ Stripe locks ]); an OFD lock raises BlockingIOError when busy, as flock does.
+    def _lock_wait(self) -> None:
+        if self.index:
+            fcntl.fcntl(self._fd, _F_OFD_SETLKW, self._set_lock)
+        else:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def _lock_try(self) -> None:
+        if self.index:
+            fcntl.fcntl(self._fd, _F_OFD_SETLK, self._set_lock)
+        else:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _unlock(self) -> None:
+        if self.index:
+            fcntl.fcntl(self._fd, _F_OFD_SETLK, self._unset_lock)
+        else:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def release(self) -> None:
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._unlock()
         finally:
             self._thread_lock.release()
             if self._deferring:
@@ -164,9 +198,22 @@ class NodeLock:
                 interrupts.leave(True, blocking=True)  # may raise a deferred KeyboardInterrupt: the lock is free
 
     def holder(self) -> int | None:
-        """The pid holding the lock now (from ``/proc/locks``), or None."""
+        """The pid holding the lock now (from ``/proc/locks``, or for an OFD lock the owner word while the kernel
+        reports the byte locked: NOTE [ Stripe locks ]), or None."""
         fd = self._memory.fd
-        return None if fd is None else flock_holder(fd)
+        if fd is None:
+            return None
+        if not self.index:
+            return flock_holder(fd)
+        probe = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)  # a description of its own: sees every holder
+        try:
+            answer = fcntl.fcntl(probe, _F_OFD_GETLK, _ofd_arg(fcntl.F_WRLCK, self.index))
+        finally:
+            os.close(probe)
+        if struct.unpack(_FLOCK_FORMAT, answer)[0] == fcntl.F_UNLCK:
+            return None
+        owner = 0 if self._owner is None else int(self._owner[0])
+        return owner or None
 
     def close(self) -> None:
         self._finalizer()
@@ -191,6 +238,18 @@ class NodeLock:
         self._fd = os.open(f"/proc/self/fd/{self._memory.fd}", os.O_RDWR | os.O_CLOEXEC)
         self._opened_by = _pid[0]
         self._finalizer = _fd_finalizer(self, self._fd)
+
+
+# struct flock on Linux x86-64/aarch64: l_type, l_whence (short), l_start, l_len (off_t), l_pid (int, 0 for OFD).
+_FLOCK_FORMAT = "hhqqi4x"
+_F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW = 36, 37, 38  # fcntl.F_OFD_* where Python exposes them (3.9+ on Linux)
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", _F_OFD_GETLK)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", _F_OFD_SETLK)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", _F_OFD_SETLKW)
+
+
+def _ofd_arg(kind: int, index: int) -> bytes:
+    return struct.pack(_FLOCK_FORMAT, kind, os.SEEK_SET, index, 1, 0)
 
 
 def _fd_finalizer(lock: NodeLock, fd: int) -> weakref.finalize:  # type: ignore[type-arg]

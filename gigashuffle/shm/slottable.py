@@ -7,12 +7,14 @@ empty, writing, full, reading, reading-then-evict), ``holder`` (int32 pid of the
 count the distinct writers of a batch for ``loader.metrics()``) and ``version`` (int64, a fresh value for every
 write, so an INDEX_KEY entry names one write of a slot: the acquire that reserves a slot allots it, and the writer
 stamps it on the slot before the commit makes it full). Every transition is a few vectorized numpy statements on an
-array of slot ids, under one node lock (``flock`` on the memfd, which the kernel drops when its holder dies; see
-shm/nodelock.py). The lock is held for tens of microseconds and never across a row copy; the node's transitions are
-serial, so their total is what bounds a node's rate of small rows whatever its cores (NOTE [ Node lock budget ]).
+array of slot ids, under the lock of the stripe of the table they lie in (NOTE [ Stripes ] in shm/stripes.py: one
+stripe for tables under 32,768 slots, whose lock is the ``flock`` on the memfd, which the kernel drops when its
+holder dies; see shm/nodelock.py). A lock is held for microseconds and never across a row copy; the transitions of
+one stripe are serial, so the busiest stripe's total is what bounds a node's rate of small rows whatever its cores
+(NOTE [ Node lock budget ]).
 
 Every transition is journaled, so a holder killed at any instruction loses no slot and blocks nobody (NOTE
-[ Slot journal ] in shm/journal.py); ``stats()`` reads the header's counts under the lock. Who holds slots is
+[ Slot journal ] in shm/journal.py); ``stats()`` reads the stripes' counts under every lock. Who holds slots is
 known by pid and start time (NOTE [ Holder registry ] in shm/holders.py), so repair finds the dead without a pass
 over the table and a reused pid is never taken for its dead predecessor.
 
@@ -37,11 +39,12 @@ the next under one hold (``release_and_draw``), and a writer publishes a chunk a
 under one (``commit_and_acquire``; ``give_back`` returns a reservation).
 
 NOTE [ Node lock budget ]
-Every writer and reader of a node takes the one lock, so the sum of their hold times per second is the share of
-the node's time that no other transition can run in, and a node with any number of cores tops out near
-1 / (busy share) times the rate that share was measured at. The header totals every process's holds and their
-time (``lock_usage()``; two stores per hold, not journaled), and ``gigashuffle bench`` reports the share over its
-window. So whatever does not need the table's state is done outside the lock:
+Every writer and reader of a node takes a stripe's lock per op, so the sum of a stripe's hold times per second is
+the share of the node's time that no other transition of that stripe can run in, and a node with any number of
+cores tops out near 1 / (the busiest stripe's busy share) times the rate that share was measured at. Each stripe's
+header totals every process's holds and their time (``lock_usage()``; two stores per hold, not journaled), and
+``gigashuffle bench`` reports the shares over its window. So whatever does not need the table's state is done
+outside the lock (and the choice of a stripe, from its counts read without a lock):
 - a reader draws its random candidate ids, drops repeats and keeps the ones full now before it takes the lock
   (``SlotPicker.candidates``, sized from the count of full slots read without the lock); under it the states of
   the first ``n`` are checked once, and only if one of them is no longer full are the others checked and more
@@ -71,313 +74,154 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.host.pids import process_start
-from gigashuffle.shm.holders import REGISTRY_ROWS
 from gigashuffle.shm.journal import (
     H_CLOCK,
     H_EMPTY,
     H_FULL,
     OP_ACQUIRE,
     OP_COMMIT,
-    OP_DRAW,
-    OP_EVICT,
     OP_GIVE_BACK,
-    OP_RELEASE_EVICT,
-    OP_RELEASE_KEEP,
-    OP_REPAIR,
-)
+)  # fmt: skip
 from gigashuffle.shm.lanes import NO_LANE
 from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds
-from gigashuffle.shm.slotmap import LockUsage, ShuffleBufferStats, SlotMap, Versions, table_nbytes
+from gigashuffle.shm.readops import ReadOps
+from gigashuffle.shm.slotmap import LockUsage, ShuffleBufferStats, Versions, table_nbytes
+from gigashuffle.shm.stripes import Stripe
 
 __all__ = [
     "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",
     "ShuffleBufferStats", "SlotIds", "SlotTable", "Versions", "table_nbytes",
 ]  # fmt: skip
 
-_NO_VERSIONS: Versions = np.empty(0, dtype=np.int64)
 
-
-class SlotTable(SlotMap):
-    """The slot table of one node buffer. ``memory=None`` creates it (every slot empty); else it maps ``memory``."""
-
-    def _held(self, pid: int, ids: npt.ArrayLike, states: tuple[int, ...]) -> SlotIds:
-        """The slots of ``ids`` that ``pid`` holds in one of ``states``. Called before the lock is taken, by
-        ``pid`` itself about its own slots: while it lives no other process moves them out of those states (evict
-        marks a reading slot reading-then-evict, both accepted; repair takes a holder's slots only once it is
-        dead: a pid it is given is one the zygote reaped), so the answer is the one the lock would give, without
-        costing the node's lock time (NOTE [ Node lock budget ]). Should a count drift all the same, a draw
-        raises instead of spinning (``SlotPicker._listed_full``)."""
-        given: SlotIds = np.asarray(ids, dtype=np.intp)
-        if given.ndim != 1:
-            given = given.reshape(-1)
-        # Comparisons instead of np.isin, which sorts or builds a table per call (it dominated the commits and
-        # releases of small batches); reading and reading-then-evict are the two highest states: one comparison.
-        # take() and compress() rather than fancy and boolean indexing: half the cost at these sizes.
-        now = self.state.take(given)
-        if states == (READING, READING_EVICT):
-            in_state = now >= READING
-        else:
-            in_state = now == states[0]
-            for other in states[1:]:
-                in_state |= now == other
-        in_state &= self.holder.take(given) == pid
-        if np.count_nonzero(in_state) == len(given):  # the usual case: skip the copy (count_nonzero: not .all())
-            return given
-        mine: SlotIds = given.compress(in_state)
-        return mine
+class SlotTable(ReadOps):
+    """The slot table of one node buffer. ``memory=None`` creates it (every slot empty); else it maps ``memory``.
+    The writers' ops are here, the readers' are ``ReadOps``' (shm/readops.py), and those that take every stripe's
+    lock ``WideOps``' (shm/wideops.py, NOTE [ Stripes ] in shm/stripes.py)."""
 
     # -- writers ---------------------------------------------------------------------------------------------
     def acquire_empty(self, pid: int, n: int) -> SlotIds:
-        """Up to ``n`` empty slots, now ``writing`` under ``pid``."""
-        words = self._journal.words
-        cursor = self._picker.cursor
-        found = self._picker.first_empty(self.state, words[H_EMPTY], n)  # before the lock: _take_empty
-        self._acquire()
+        """Up to ``n`` empty slots, now ``writing`` under ``pid`` (all in one stripe)."""
+        self._register_once(pid)
+        stripe = self._for_writer(n)
+        words, picker, local = stripe.words, stripe.picker, self._local(stripe)
+        cursor = picker.cursor
+        found = picker.first_empty(local, words[H_EMPTY], n)  # before the lock: _take_empty
+        self._take(stripe)
         try:
-            if pid not in self._holders.known:
-                self._register(pid)
             empty = words[H_EMPTY]
-            ids = self._take_empty(n, empty, found, cursor)
-            self._journal.commit(OP_ACQUIRE, pid, ids, -1, empty - len(ids))
+            ids = self._take_empty(stripe, n, empty, found, cursor)
+            stripe.journal.commit(OP_ACQUIRE, pid, ids, -1, empty - len(ids))
             clock = words[H_CLOCK]
         finally:
-            self._release()
-        self._stamp_versions(pid, ids, clock)
+            stripe.release()
+        self._stamp_versions(stripe, pid, ids, clock)
         return ids
 
-    def _take_empty(self, n: int, empty: int, found: SlotIds, cursor: int) -> SlotIds:
-        """Under the lock: ``min(n, empty)`` empty slots. ``found`` is the search made before the lock from
-        ``cursor`` (NOTE [ Node lock budget ]): between it and the lock, a slot leaves ``empty`` only when another
-        writer acquires it, so if ``found`` has as many slots as are wanted and every one is still empty (one
-        gather of states; empty is 0), they are taken as they are; otherwise the search runs again from
-        ``cursor``, as it did under the lock before."""
-        if len(found) == min(n, empty) and not np.count_nonzero(self.state.take(found)):
-            return found
-        self._picker.cursor = cursor
-        return self._picker.first_empty(self.state, empty, n)
+    def _take_empty(self, stripe: Stripe, n: int, empty: int, found: SlotIds, cursor: int) -> SlotIds:
+        """Under the stripe's lock: ``min(n, empty)`` of its empty slots (table ids). ``found`` is the search made
+        before the lock from ``cursor`` (NOTE [ Node lock budget ]; stripe ids): between it and the lock, a slot
+        leaves ``empty`` only when another writer acquires it, so if ``found`` has as many slots as are wanted and
+        every one is still empty (one gather of states; empty is 0), they are taken as they are; otherwise the
+        search runs again from ``cursor``, as it did under the lock before."""
+        local = self._local(stripe)
+        if not (len(found) == min(n, empty) and not np.count_nonzero(local.take(found))):
+            stripe.picker.cursor = cursor
+            found = stripe.picker.first_empty(local, empty, n)
+        return found + stripe.lo if stripe.lo else found
 
     def commit_written(self, pid: int, ids: npt.ArrayLike, lane: int = NO_LANE) -> int:
         """Publish slots ``pid`` wrote (with the versions stamped at acquire); returns how many it still held.
-        ``lane`` grows by that many (NOTE [ Lanes ] in shm/lanes.py)."""
+        ``lane`` grows by that many (NOTE [ Lanes ] in shm/lanes.py), run by run (NOTE [ Stripes ])."""
         mine = self._held(pid, ids, (WRITING,))
-        self._acquire()
-        try:
-            self._commit_written(pid, mine, lane)
-        finally:
-            self._release()
+        for stripe, run in self._runs(mine):
+            self._take(stripe)
+            try:
+                self._commit_written(stripe, pid, run, lane)
+            finally:
+                stripe.release()
         return len(mine)
 
     def commit_and_acquire(
         self, pid: int, ids: npt.ArrayLike, n: int, min_full: int = 0, lane: int = NO_LANE
     ) -> tuple[int, SlotIds]:
-        """``commit_written``, then ``n`` empty slots for ``pid``'s next rows if that many are empty and the slots
-        full or empty without them still number ``min_full``, else none, under one hold of the lock (two journaled
-        ops). All or nothing: a writer that took the few slots just emptied would cut its next chunk into as many
-        small pieces, each a copy and a transition of its own. ``min_full``: a reservation held while the dataset
-        waits must not keep the buffer from reaching the readers' threshold (with fill_once, every slot).
-        Returns how many slots it still held, and the new ones."""
+        """``commit_written``, then ``n`` empty slots of one stripe for ``pid``'s next rows if that many are empty
+        there and the slots full or empty without them still number ``min_full``, else none; the last run's
+        commit and the reservation share a hold of the lock when they are in one stripe. All or nothing: a writer
+        that took the few slots just emptied would cut its next chunk into as many small pieces, each a copy and a
+        transition of its own. ``min_full``: a reservation held while the dataset waits must not keep the buffer
+        from reaching the readers' threshold (with fill_once, every slot). Returns how many slots it still held,
+        and the new ones."""
         mine = self._held(pid, ids, (WRITING,))
-        words, picker = self._journal.words, self._picker
+        runs = self._runs(mine)
+        if n <= 0:
+            for stripe, run in runs:
+                self._take(stripe)
+                try:
+                    self._commit_written(stripe, pid, run, lane)
+                finally:
+                    stripe.release()
+            return len(mine), NO_IDS
+        self._register_once(pid)
+        target = self._for_writer(n)
+        words, picker = target.words, target.picker
         cursor = picker.cursor
         # The search before the lock (NOTE [ Node lock budget ]), where the counts read without it say that the
         # reservation will be made: a writer polling a full buffer searches nothing.
         empty = words[H_EMPTY]
-        likely = 0 < n <= empty and words[H_FULL] + len(mine) + empty - n >= min_full
-        found = picker.first_empty(self.state, empty, n) if likely else NO_IDS
-        self._acquire()
+        likely = 0 < n <= empty and self._reachable(len(mine)) - n >= min_full
+        found = picker.first_empty(self._local(target), empty, n) if likely else NO_IDS
+        for stripe, run in runs if not runs or runs[-1][0] is not target else runs[:-1]:
+            self._take(stripe)
+            try:
+                self._commit_written(stripe, pid, run, lane)
+            finally:
+                stripe.release()
+        self._take(target)
         try:
-            if pid not in self._holders.known:
-                self._register(pid)
-            self._commit_written(pid, mine, lane)
+            if runs and runs[-1][0] is target:
+                self._commit_written(target, pid, runs[-1][1], lane)
             empty = words[H_EMPTY]
-            room = words[H_FULL] + empty - n >= min_full
-            if 0 < n <= empty and room:
-                fresh = self._take_empty(n, empty, found, cursor)
+            if 0 < n <= empty and self._reachable(0) - n >= min_full:
+                fresh = self._take_empty(target, n, empty, found, cursor)
             else:
                 fresh, picker.cursor = NO_IDS, cursor
-            self._journal.commit(OP_ACQUIRE, pid, fresh, -1, empty - len(fresh))
+            target.journal.commit(OP_ACQUIRE, pid, fresh, -1, empty - len(fresh))
             clock = words[H_CLOCK]
         finally:
-            self._release()
-        self._stamp_versions(pid, fresh, clock)
+            target.release()
+        self._stamp_versions(target, pid, fresh, clock)
         return len(mine), fresh
 
-    def _stamp_versions(self, pid: int, ids: SlotIds, clock: int) -> None:
-        # The acquire moved the version clock to ``clock`` past len(ids) values of its own (journaled); the writer
-        # stamps them on its reserved slots after releasing the lock (NOTE [ Node lock budget ]). Nobody reads the
-        # version of a writing slot, and the commit that makes them full comes later from this same process. A
-        # writer killed before or while stamping leaves writing slots that repair empties: no row has them.
+    def _reachable(self, extra: int) -> int:
+        """Slots full or empty now (each stripe's words; exact for a stripe whose lock is held), plus ``extra``."""
+        return extra + sum(s.words[H_FULL] + s.words[H_EMPTY] for s in self._stripes)
+
+    def _stamp_versions(self, stripe: Stripe, pid: int, ids: SlotIds, clock: int) -> None:
+        # The acquire moved the stripe's version clock to ``clock`` past len(ids) values of its own (journaled);
+        # the writer stamps them on its reserved slots after releasing the lock (NOTE [ Node lock budget ]):
+        # ``clock * stripes + k`` in stripe k, unique over the table (NOTE [ Stripes ]). Nobody reads the version of
+        # a writing slot, and the commit that makes them full comes later from this same process. A writer killed
+        # before or while stamping leaves writing slots that repair empties: no row has them.
         # Its pid goes with them, for the readers' count of writers per batch (a figure only: nothing depends on it).
         if len(ids):
-            self.version[ids] = np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64)
+            versions = np.arange(clock - len(ids) + 1, clock + 1, dtype=np.int64)
+            if self.stripes > 1:
+                versions *= self.stripes
+                versions += stripe.k
+            self.version[ids] = versions
             self.writer[ids] = pid  # fancy assignment, not put(): a third of the cost at these sizes
 
-    def _commit_written(self, pid: int, mine: SlotIds, lane: int) -> None:
-        self._journal.commit(OP_COMMIT, pid, mine, self._journal.words[H_FULL] + len(mine), -1, lane, len(mine))
+    def _commit_written(self, stripe: Stripe, pid: int, run: SlotIds, lane: int) -> None:
+        stripe.journal.commit(OP_COMMIT, pid, run, stripe.words[H_FULL] + len(run), -1, lane, len(run))
 
     def give_back(self, pid: int, ids: npt.ArrayLike) -> int:
         """Return slots ``pid`` acquired and did not write (``writing`` -> ``empty``); returns how many it held."""
         mine = self._held(pid, ids, (WRITING,))
-        self._acquire()
-        try:
-            self._journal.commit(OP_GIVE_BACK, pid, mine, -1, self._journal.words[H_EMPTY] + len(mine))
-        finally:
-            self._release()
+        for stripe, run in self._runs(mine):
+            self._take(stripe)
+            try:
+                stripe.journal.commit(OP_GIVE_BACK, pid, run, -1, stripe.words[H_EMPTY] + len(run))
+            finally:
+                stripe.release()
         return len(mine)
-
-    # -- readers ---------------------------------------------------------------------------------------------
-    def draw_full(self, pid: int, n: int, min_full: int = 0) -> tuple[SlotIds, Versions]:
-        """``n`` uniformly random full slots, now ``reading`` under ``pid``, with their versions; none while fewer
-        than ``max(n, min_full)`` slots are full."""
-        candidates = self._picker.candidates(n, self._journal.words[H_FULL], min_full, self.state)
-        self._acquire()
-        try:
-            ids = self._draw(pid, n, min_full, candidates)
-        finally:
-            self._release()
-        return ids, self._versions_of_drawn(ids)
-
-    def _draw(self, pid: int, n: int, min_full: int, candidates: SlotIds) -> SlotIds:
-        full = self._journal.words[H_FULL]
-        if n <= 0 or full < max(n, min_full):
-            return NO_IDS
-        if pid not in self._holders.known:
-            self._register(pid)
-        ids = self._picker.sample_full(self.state, n, full, candidates)
-        self._journal.commit(OP_DRAW, pid, ids, full - n)
-        return ids
-
-    def _versions_of_drawn(self, ids: SlotIds) -> Versions:
-        # Read after the lock is released: a slot reading under this process keeps its version (only the writer
-        # that reserved a slot sets one; evict and repair change states, never versions), and a random gather of
-        # 8-byte words is one of the costlier steps of a draw that every process of the node waits for
-        # (NOTE [ Node lock budget ]).
-        return self.version[ids] if len(ids) else _NO_VERSIONS
-
-    def release_read(self, pid: int, ids: npt.ArrayLike, evict: bool, lane: int = NO_LANE, batches: int = 0) -> int:
-        """Return slots ``pid`` read: to empty if ``evict`` (or evict() marked them), else to full. ``lane`` grows by
-        ``batches`` (NOTE [ Lanes ] in shm/lanes.py)."""
-        mine = self._held(pid, ids, (READING, READING_EVICT))
-        self._acquire()
-        try:
-            self._release_read(pid, mine, evict, lane, batches)
-        finally:
-            self._release()
-        return len(mine)
-
-    def release_and_draw(
-        self,
-        pid: int,
-        ids: npt.ArrayLike,
-        evict: bool,
-        n: int,
-        min_full: int = 0,
-        lane: int = NO_LANE,
-        batches: int = 0,
-    ) -> tuple[int, SlotIds, Versions]:
-        """``release_read`` then ``draw_full`` under one hold of the lock (two journaled ops): a reader with a free
-        ring slot takes its next batch as it returns the last. Returns how many it still held, and the draw."""
-        mine = self._held(pid, ids, (READING, READING_EVICT))
-        candidates = self._picker.candidates(n, self._journal.words[H_FULL], min_full, self.state)
-        self._acquire()
-        try:
-            self._release_read(pid, mine, evict, lane, batches)
-            drawn = self._draw(pid, n, min_full, candidates)
-        finally:
-            self._release()
-        return len(mine), drawn, self._versions_of_drawn(drawn)
-
-    def _release_read(self, pid: int, mine: SlotIds, evict: bool, lane: int, batches: int) -> None:
-        words = self._journal.words
-        empty = words[H_EMPTY]
-        if evict:
-            self._journal.commit(OP_RELEASE_EVICT, pid, mine, -1, empty + len(mine), lane, batches)
-        else:  # slots evict() marked meanwhile become empty, the others full again
-            back = int(np.count_nonzero(self.state.take(mine) == READING))
-            full = words[H_FULL] + back
-            self._journal.commit(OP_RELEASE_KEEP, pid, mine, full, empty + len(mine) - back, lane, batches)
-
-    def evict(self, ids: npt.ArrayLike, versions: npt.ArrayLike | None = None, wait_s: float | None = None) -> int:
-        """Full slots become empty; slots being read become empty when released. A slot whose version is not the
-        given one (rewritten since) is left alone; version -1 (or ``versions=None``) matches any write."""
-        ids = np.asarray(ids, dtype=np.intp).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.slots):
-            raise ValueError(f"slot ids must lie in [0, {self.slots}), got [{ids.min()}, {ids.max()}]")
-        with self._locked(wait_s):
-            ok = np.isin(self.state[ids], (FULL, READING))
-            if versions is not None:
-                wanted = np.asarray(versions, dtype=np.int64).reshape(-1)
-                ok &= (wanted == -1) | (self.version[ids] == wanted)
-            chosen = np.unique(ids[ok])
-            gone = int(np.count_nonzero(self.state[chosen] == FULL))
-            header = self._header
-            self._journal.commit(OP_EVICT, 0, chosen, int(header[H_FULL]) - gone, int(header[H_EMPTY]) + gone)
-        return len(chosen)
-
-    # -- supervision -----------------------------------------------------------------------------------------
-    def _register(self, pid: int) -> None:
-        """Enter ``pid`` in the holder registry before a transition gives it slots; under the lock (NOTE [ Holder
-        registry ] in shm/holders.py)."""
-        holders = self._holders
-        row, start = holders.lookup(pid)
-        if row >= 0 and start != 0 and start == process_start(pid):  # registered already (another mapping)
-            holders.known.add(pid)
-            return
-        if row >= 0:  # an earlier process with this pid is gone: what it held is not this process's
-            self._repair_locked([pid])
-        else:
-            row = holders.free_row()
-            if row < 0:
-                gone = holders.gone()
-                self._repair_locked(gone)
-                holders.forget(gone)
-                row = holders.free_row()
-            if row < 0:
-                raise RuntimeError(f"more than {REGISTRY_ROWS} live processes hold slots of one node buffer")
-        holders.claim(pid, row)
-
-    def repair(self, wait_s: float | None = None, scan: bool = False) -> int:
-        """Return the slots of holders that no longer exist; returns how many. A holder is its pid and start time
-        (NOTE [ Holder registry ] in shm/holders.py): a live process that reuses a dead one's pid keeps its slots.
-        Without a death this reads /proc once per registered holder and takes no lock, so the supervisor calls it
-        whenever the zygote reports a child reaped, and each child about once a second. ``scan``: the rare
-        fallback, also a pass over every slot for holders the registry does not name as existing."""
-        if not scan and not self._holders.gone():
-            return 0
-        with self._locked(wait_s):
-            gone = self._holders.gone()  # again under the lock: a row may have been repaired or taken over
-            if scan:
-                alive = self._holders.alive()
-                held = np.flatnonzero((self.state != EMPTY) & (self.state != FULL))
-                gone = sorted(set(gone) | {p for p in np.unique(self.holder[held]).tolist() if p not in alive})
-            repaired = self._repair_locked(gone)
-            self._holders.forget(gone)  # after the repair's commit: a kill in between leaves a row to repair again
-        return repaired
-
-    def _repair_locked(self, pids: list[int]) -> int:
-        """Return the slots held under ``pids`` (gone processes): one compare over the holder column."""
-        if not pids:
-            return 0
-        hit = self.holder == pids[0] if len(pids) == 1 else np.isin(self.holder, pids)
-        candidates = np.flatnonzero(hit)
-        now = self.state.take(candidates)
-        ids = candidates.compress((now != EMPTY) & (now != FULL))
-        back = int(np.count_nonzero(self.state.take(ids) == READING))
-        header = self._header  # writing and reading-then-evict slots become empty, reading ones full
-        self._journal.commit(OP_REPAIR, 0, ids, int(header[H_FULL]) + back, int(header[H_EMPTY]) + len(ids) - back)
-        return len(ids)
-
-    def stats(self, wait_s: float | None = None) -> ShuffleBufferStats:
-        """The slot counts at one moment: the header's counts read under the lock, which every transition keeps
-        exact (journaled with it), so this costs the same for any table size."""
-        self._acquire(wait_s)
-        try:
-            return self.counts()[2]  # under the lock no transition is half done: the counts agree
-        finally:
-            self._release()
-
-    def full_ids(self, wait_s: float | None = None) -> SlotIds:
-        """The slots that are full right now (a checkpoint's copy of the buffer: NOTE [ Checkpoint cut ])."""
-        with self._locked(wait_s):
-            return np.flatnonzero(self.state == FULL)

@@ -66,17 +66,20 @@ def _audit(table: SlotTable) -> None:
     """The header's counts against the states, and an empty journal, under the lock."""
     with table._locked(wait_s=5.0):
         counts = np.bincount(table.state, minlength=5)
-        header = table._header
-        assert int(header[journal.H_LENGTH]) == 0
-        assert int(header[journal.H_FULL]) == counts[2] and int(header[journal.H_EMPTY]) == counts[0], counts
+        assert all(int(s.header[journal.H_LENGTH]) == 0 for s in table._stripes)
+        assert int(table._wide.header[journal.H_LENGTH]) == 0
+        stats = table.counts()[2]  # the stripes' counts, summed (NOTE [ Stripes ])
+        assert stats.full == counts[2] and stats.empty == counts[0], counts
 
 
 # -- Ctrl-C and exceptions ------------------------------------------------------------------------------------------
-def test_a_sigint_storm_in_a_process_that_goes_on_never_leaves_the_lock_held() -> None:
+@pytest.mark.parametrize("stripes", [1, 4])
+def test_a_sigint_storm_in_a_process_that_goes_on_never_leaves_the_lock_held(stripes: int) -> None:
     """A thread sends SIGINT every ~2 ms to a process calling stats(wait_s=1), evict(), a transition and repair()
     in a loop, catching KeyboardInterrupt and going on (a notebook, a script that saves a checkpoint on Ctrl-C).
-    Afterwards the process itself takes the lock at once, and so does another process while it lives on."""
-    table = SlotTable(4096, seed=1)
+    Afterwards the process itself takes the lock at once, and so does another process while it lives on. With
+    stripes, stats, evict and repair take every stripe's lock and the transitions one (NOTE [ Stripes ])."""
+    table = SlotTable(4096, seed=1, stripes=stripes)
     ready_r, ready_w = os.pipe()
 
     def storm() -> int:

@@ -30,6 +30,7 @@ from gigashuffle.shm.slottable import (
     SlotTable,
     table_nbytes,
 )
+from gigashuffle.shm.stripes import Stripe
 
 _WAIT_S = 30.0
 
@@ -222,21 +223,21 @@ def test_lock_usage_totals_every_hold_of_every_process_that_maps_the_table() -> 
     """The header counts the node lock's holds and their time across processes (NOTE [ Node lock budget ])."""
     table = SlotTable(16, seed=3)
     assert table.lock_usage() == LockUsage(0.0, 0)
-    _fill(table, 1, 8)  # two holds: acquire, commit
+    _fill(table, 1, 8)  # three holds: registering the writer (NOTE [ Stripes ]: under every lock), acquire, commit
 
     def read_in_child() -> int:
         me = os.getpid()
         ids, _versions = table.draw_full(me, 4)
         return 0 if table.release_read(me, ids, evict=True) == 4 else 1
 
-    assert _wait(_fork(read_in_child)) == 0  # two more: draw, release
+    assert _wait(_fork(read_in_child)) == 0  # three more: registering the reader, draw, release
     after = table.lock_usage()
-    assert after.holds == 4, after
+    assert after.holds == 6, after
     assert after.held_s > 0.0, after
     with table._locked():  # a hold that lasts at least 50 ms is counted as at least that long
         time.sleep(0.05)
     longer = table.lock_usage()
-    assert longer.holds == 5 and longer.held_s - after.held_s >= 0.05, (after, longer)
+    assert longer.holds == 7 and longer.held_s - after.held_s >= 0.05, (after, longer)
     table.close()
 
 
@@ -396,19 +397,19 @@ def test_a_search_for_empty_slots_made_before_the_lock_runs_again_under_it_if_an
     if table.fd is None:
         raise AssertionError("no fd")
     other = SlotTable(slots, SharedMemory(table_nbytes(slots), os.dup(table.fd)))
-    real_acquire = table._acquire
+    real_take = table._take  # a one-stripe op's lock (NOTE [ Stripes ])
 
-    def racing(wait_s: float | None = None) -> None:  # the other writer's acquire lands between search and lock
-        table._acquire = real_acquire  # type: ignore[method-assign]
+    def racing(stripe: Stripe, wait_s: float | None = None) -> None:  # the other's acquire: between search and lock
+        table._take = real_take  # type: ignore[method-assign]
         other.acquire_empty(2, 8)
-        real_acquire(wait_s)
+        real_take(stripe, wait_s)
 
-    table._acquire = racing  # type: ignore[method-assign]
+    table._take = racing  # type: ignore[method-assign]
     got = table.acquire_empty(1, 8)
     np.testing.assert_array_equal(got, np.arange(8, 16))  # the first 8 went to the other writer meanwhile
     assert (table.holder[got] == 1).all() and (table.state[got] == WRITING).all()
     assert snapshot(table) == TableSnapshot(48, 16, 0, 0)
-    table._acquire = racing  # type: ignore[method-assign]
+    table._take = racing  # type: ignore[method-assign]
     held, fresh = table.commit_and_acquire(1, got, 8)  # all or nothing, still 8, none of the other's
     assert held == 8
     np.testing.assert_array_equal(fresh, np.arange(24, 32))

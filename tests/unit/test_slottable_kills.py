@@ -38,17 +38,24 @@ import numpy as np
 import pytest
 from slot_audit import lock_is_free
 
-from gigashuffle.shm import holders, journal, nodelock, picker, slotmap, slottable
+from gigashuffle.shm import holders, journal, nodelock, picker, readops, slotmap, slottable, stripes, wideops
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, SlotTable
 
 SLOTS = 16
 LANE = 5  # the lane the commits and releases move (NOTE [ Lanes ] in shm/lanes.py)
 WAIT_S = 30.0
 _TRACED = frozenset(
-    {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
-)
+    {
+        slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__,
+        stripes.__file__, wideops.__file__, readops.__file__,
+    }
+)  # fmt: skip
 _NO_RAISE_TEXT = ("try:", "finally:", "except", "else:")
-_NO_RAISE_CALLS = ("self._release()", "self._lock.release()", "with self._locked(")
+# The releases of a lock held (each protects its own body with try/finally), as the node lock's own lines are.
+_NO_RAISE_CALLS = (
+    "self._release()", "self._lock.release()", "with self._locked(", "self._release_all()", "self._release_from(",
+    "stripe.release()", "target.release()", "released.release()", "self.lock.release()", "self._stripes[i].release()",
+)  # fmt: skip
 _CONSTANT_RETURN = re.compile(r"return( (True|False|None|-?\d+))?")
 
 
@@ -140,7 +147,7 @@ def _half_repaired(table: SlotTable, v: int) -> Any:
             os._exit(1)
     _, status = os.waitpid(helper, 0)
     assert os.WIFSIGNALED(status), "the helper's repair was not cut"
-    assert table._header[journal.H_LENGTH] != 0, "the helper left no journaled op"
+    assert table._wide.words[journal.H_LENGTH] != 0, "the helper left no journaled op (a repair is wide)"
     return None
 
 
@@ -183,9 +190,25 @@ def dead() -> tuple[int, int]:
     return pids[0], pids[1]
 
 
-def _base(dead: tuple[int, int]) -> SlotTable:
-    table = SlotTable(SLOTS, seed=0)
+def _in_stripe(table: SlotTable, k: int, pid: int, n: int) -> Any:
+    """``acquire_empty`` in stripe ``k`` (its choice of stripe is random: NOTE [ Stripes ])."""
+    table._for_writer = lambda n: table._stripes[k]  # type: ignore[method-assign]
+    try:
+        return table.acquire_empty(pid, n)
+    finally:
+        del table._for_writer
+
+
+def _base(dead: tuple[int, int], stripes: int = 1) -> SlotTable:
+    table = SlotTable(SLOTS, seed=0, stripes=stripes)
     me = os.getpid()
+    if stripes == 2:  # 5 full in each stripe of 8, a dead reader's batch in one, a dead writer's 2 slots
+        for k in (0, 1):
+            table.commit_written(me, _in_stripe(table, k, me, 5))
+        drawn, versions = table.draw_full(dead[1], 3)
+        table.evict(drawn[:1], versions[:1])
+        _in_stripe(table, 1, dead[0], 2)
+        return table
     table.commit_written(me, table.acquire_empty(me, 10))
     drawn, versions = table.draw_full(dead[1], 3)  # a dead reader's batch, one slot marked by evict()
     table.evict(drawn[:1], versions[:1])
@@ -200,11 +223,11 @@ def _view(table: SlotTable, victim: int) -> tuple[bytes, bytes, bytes, tuple[int
     holder[holder == victim] = -1  # the victim of each run has its own pid
     written = (state == FULL) | (state >= READING)  # a writing slot's version is stamped after its acquire
     version = np.where(written, table.version, 0)
-    header = table._header
-    counters = tuple(int(header[i]) for i in (journal.H_WRITTEN, journal.H_READ, journal.H_CLOCK))
-    counts = (int(header[journal.H_FULL]), int(header[journal.H_EMPTY]))
+    words = (journal.H_WRITTEN, journal.H_READ, journal.H_CLOCK, journal.H_FULL, journal.H_EMPTY)
+    counters = [int(s.header[i]) for s in table._stripes for i in words]
+    counters.append(int(table._wide.header[journal.H_READ]))
     lanes = tuple(int(v) for v in table.lanes[: LANE + 2])  # NOTE [ Lanes ]: a lane moves with its op, whole
-    return state.tobytes(), holder.tobytes(), version.tobytes(), counters + counts + lanes
+    return state.tobytes(), holder.tobytes(), version.tobytes(), (*counters, *lanes)
 
 
 def _victim(conn: Connection, table: SlotTable, op: Op) -> None:
@@ -245,10 +268,12 @@ def _recv(conn: Connection) -> Any:
 View = tuple[bytes, bytes, bytes, tuple[int, ...]]
 
 
-def _trial(dead: tuple[int, int], op: Op, mode: str, at: int, which: str = "run") -> tuple[View, View, Any]:
+def _trial(
+    dead: tuple[int, int], op: Op, mode: str, at: int, which: str = "run", stripes: int = 1
+) -> tuple[View, View, Any]:
     """One run of ``op`` in a victim cut at line ``at``: the table before the op, after it, and the victim's reply
     (None if it was killed)."""
-    table = _base(dead)
+    table = _base(dead, stripes)
     parent_end, child_end = Pipe()
     pid = os.fork()
     if pid == 0:
@@ -277,7 +302,7 @@ def _trial(dead: tuple[int, int], op: Op, mode: str, at: int, which: str = "run"
             parent_end.send("check")
             assert _recv(parent_end) == "free", f"{op.name}: {reply[0]} left the thread lock held"
         with table._locked(wait_s=5.0):  # the next holder rolls forward what the victim journaled
-            assert int(table._header[journal.H_LENGTH]) == 0
+            assert int(table._header[journal.H_LENGTH]) == 0 and int(table._wide.header[journal.H_LENGTH]) == 0
             after = _view(table, victim)
         return before, after, reply
     finally:
@@ -288,21 +313,57 @@ def _trial(dead: tuple[int, int], op: Op, mode: str, at: int, which: str = "run"
         table.close()
 
 
+def _split_reserve(table: SlotTable, v: int) -> Any:
+    return np.concatenate([_in_stripe(table, 0, v, 2), _in_stripe(table, 1, v, 1)])
+
+
+def _wide_batch(table: SlotTable, v: int) -> Any:
+    ids, _versions = table.draw_full(v, 7)  # no stripe has 7 full: a wide draw
+    assert len(np.unique(np.asarray(ids) // table.stripe_slots)) == 2, "the prepared draw is not wide"
+    return ids
+
+
+# With two stripes of 8 slots (NOTE [ Stripes ]): an op of one stripe (which checks the wide journal), a writer's
+# commit of slots in both stripes (two ops, in order: the first run alone is a whole outcome too), and a wide draw
+# and its releases (one op over both stripes, the lane with it).
+STRIPED_OPS = [
+    Op(
+        "commit_written_two_stripes",
+        _split_reserve,
+        lambda t, v, a: t.commit_written(v, a, LANE),
+        lambda t, v, a: t.commit_written(v, a[:2], LANE),
+    ),
+    Op("draw_full", lambda t, v: None, lambda t, v, a: t.draw_full(v, 3)),
+    Op("draw_wide", lambda t, v: None, lambda t, v, a: t.draw_full(v, 7)),
+    Op("release_wide_evict", _wide_batch, lambda t, v, a: t.release_read(v, a, True, LANE, 1)),
+    Op("release_wide_keep", _wide_batch, lambda t, v, a: t.release_read(v, a, False, LANE, 1)),
+]  # evict and repair are wide ops whatever the stripes: the one-stripe table's cases above cover their journal
+
+
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
 def test_an_op_cut_at_any_line_happens_whole_or_not_at_all(dead: tuple[int, int], op: Op) -> None:
-    before, after, reply = _trial(dead, op, "kill", -1)
+    _cut_everywhere(dead, op, 1)
+
+
+@pytest.mark.parametrize("op", STRIPED_OPS, ids=[op.name for op in STRIPED_OPS])
+def test_a_striped_op_cut_at_any_line_happens_whole_or_not_at_all(dead: tuple[int, int], op: Op) -> None:
+    _cut_everywhere(dead, op, 2)
+
+
+def _cut_everywhere(dead: tuple[int, int], op: Op, stripes: int) -> None:
+    before, after, reply = _trial(dead, op, "kill", -1, stripes=stripes)
     assert reply is not None and reply[0] == "done"
     lines, raisable = reply[1], reply[2]
     assert before != after or op.name == "give_back", f"{op.name} changed nothing: the prepared state is wrong"
     allowed = {"before": before, "after": after}
     if op.first_half is not None:
-        allowed["first half"] = _trial(dead, op, "kill", -1, "first")[1]
+        allowed["first half"] = _trial(dead, op, "kill", -1, "first", stripes)[1]
     if op.name == "roll_forward":
         allowed = {"rolled forward": after}  # the journaled repair happens whatever the victim does
     for mode, count in (("kill", lines), ("raise", raisable)):
         seen: set[str] = set()
         for at in range(count + 1):
-            _, got, reply = _trial(dead, op, mode, at)
+            _, got, reply = _trial(dead, op, mode, at, stripes=stripes)
             names = [name for name, view in allowed.items() if view == got]
             assert names, f"{op.name} cut ({mode}) at line {at} of {count}: the table matches no whole outcome"
             seen.update(names)

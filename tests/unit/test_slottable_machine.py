@@ -57,7 +57,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from slot_audit import TableSnapshot, lock_is_free, snapshot
 
-from gigashuffle.shm import holders, journal, nodelock, picker, slotmap, slottable
+from gigashuffle.shm import holders, journal, nodelock, picker, readops, slotmap, slottable, stripes, wideops
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, READING_EVICT, WRITING, SlotTable
 
 SLOTS = 10  # small, so that writers run out of empty slots and draws meet the min_full threshold
@@ -101,8 +101,11 @@ SETTINGS = settings(
 # the lock in shm/nodelock.py and the slot searches in picker.py: kills land on lines of all of them (an op runs
 # about as many lines as when they were one module, so KILL_AT keeps its meaning).
 _TRACED = frozenset(
-    {slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__}
-)
+    {
+        slottable.__file__, slotmap.__file__, journal.__file__, nodelock.__file__, picker.__file__, holders.__file__,
+        stripes.__file__, wideops.__file__, readops.__file__,
+    }
+)  # fmt: skip
 # Every actor pid not yet reaped, whichever example forked it: the fixture kills what an aborted example left.
 _UNREAPED: set[int] = set()
 
@@ -119,11 +122,18 @@ def _line_of(function: Callable[..., Any], text: str) -> tuple[str, int]:
 
 _TAKE_LOCK = frozenset(
     {
-        _line_of(nodelock.NodeLock._take, "fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"),
-        _line_of(nodelock.NodeLock._take, "fcntl.flock(self._fd, fcntl.LOCK_EX)"),
+        _line_of(nodelock.NodeLock._lock_try, "fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"),
+        _line_of(nodelock.NodeLock._lock_wait, "fcntl.flock(self._fd, fcntl.LOCK_EX)"),
+        _line_of(nodelock.NodeLock._lock_try, "fcntl.fcntl(self._fd, _F_OFD_SETLK, self._set_lock)"),
+        _line_of(nodelock.NodeLock._lock_wait, "fcntl.fcntl(self._fd, _F_OFD_SETLKW, self._set_lock)"),
+    }
+)  # NOTE [ Stripe locks ]: stripe 0's flock, the others' OFD locks
+_DROP_LOCK = frozenset(
+    {
+        _line_of(nodelock.NodeLock._unlock, "fcntl.flock(self._fd, fcntl.LOCK_UN)"),
+        _line_of(nodelock.NodeLock._unlock, "fcntl.fcntl(self._fd, _F_OFD_SETLK, self._unset_lock)"),
     }
 )
-_DROP_LOCK = _line_of(nodelock.NodeLock.release, "fcntl.flock(self._fd, fcntl.LOCK_UN)")
 # The journal's roll-forward (a kill in it is a kill while finishing another's op): its name, checked to exist.
 _ROLL_FORWARD = journal.Journal.roll_forward.__name__
 
@@ -153,7 +163,7 @@ class _KillAtLine:
         # A line has finished once the next one starts, wherever that is (the unlock is followed by the caller's).
         if self.previous in _TAKE_LOCK:
             self.lock_held = True
-        elif self.previous == _DROP_LOCK:
+        elif self.previous in _DROP_LOCK:
             self.lock_held = False
         self.previous = (frame.f_code.co_filename, frame.f_lineno)
         if self.seen == self.at:

@@ -237,17 +237,22 @@ def measure_loader(
 def _lock_figures(
     before: LockUsage, after: LockUsage, wall_s: float, batches: int, rows: int
 ) -> dict[str, float | None]:
-    """The node lock over the window: the share of it that the lock was held (every rank's writers and readers
-    together: NOTE [ Node lock budget ]), the mean hold, the holds per delivered batch, the lock's time per
-    delivered row and the node's ceiling that it sets (rows/s = 1 / lock time per row: the rate at which the
-    lock would be held all the time, whatever the node's cores)."""
+    """The slot table's locks over the window: the share of it that they were held (every rank's writers and
+    readers together, summed over the stripes: NOTE [ Node lock budget ]), the mean hold, the holds per delivered
+    batch, the lock time per delivered row, and the node's ceiling: the rows/s at which the busiest stripe's lock
+    would be held all the time (NOTE [ Stripes ] in shm/stripes.py; with one stripe, 1 / lock time per row),
+    whatever the node's cores."""
     held_s, holds = after.held_s - before.held_s, after.holds - before.holds
+    stripes = [a - b for a, b in zip(after.stripes_held_s, before.stripes_held_s, strict=False)] or [held_s]
+    busiest = max(stripes)
     return {
         "lock_busy": held_s / wall_s if wall_s > 0 else None,
         "lock_hold_us": 1e6 * held_s / holds if holds else None,
         "lock_holds_per_batch": holds / batches if batches else None,
         "lock_ns_per_row": 1e9 * held_s / rows if rows else None,
-        "lock_ceiling_rows_per_s": rows / held_s if held_s > 0 else None,
+        "lock_stripes": len(stripes),
+        "lock_busiest_stripe_busy": busiest / wall_s if wall_s > 0 else None,
+        "lock_ceiling_rows_per_s": rows / busiest if busiest > 0 else None,
     }
 
 
