@@ -122,8 +122,6 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
             _num(ld.get("lock_hold_us"), 1),
             _num(ld.get("lock_holds_per_batch"), 2),
             _num(ld.get("lock_ns_per_row"), 1),
-            str(ld.get("lock_stripes", 1)),
-            _num(100 * ld["lock_busiest_stripe_busy"], 1) if ld.get("lock_busiest_stripe_busy") is not None else "-",
             _num(ld.get("lock_ceiling_rows_per_s")),
         ]
         for name, ld in loaders
@@ -138,14 +136,20 @@ def _loader_tables(results: Sequence[Result]) -> list[str]:
         + _table(["workload", "", *_CPU_GROUPS, "floor", "all/floor"], cpu),
         "Redis commands over the timed window (INFO commandstats)\n"
         + _table(["workload", "", "cmds/batch", "cmds", "batches", "warm-up"], redis),
-        "slot-table locks over the timed window (every transition of the node's writers and readers, summed over the "
-        "stripes; a stripe's lock busy near 100%: more of them cannot add throughput; ceiling = the rows/s with the "
-        "busiest stripe's lock always held, 1 / lock time per row with one stripe)\n"
-        + _table(
-            ["workload", "", "busy %", "us/hold", "holds/batch", "ns/row", "stripes", "busiest %", "ceiling rows/s"],
-            lock,
-        ),
+        "node lock over the timed window (every transition of the node's writers and readers, summed over the slot "
+        "table's stripes; busy near 100%: more of them cannot add throughput; ceiling = the node's rows/s with the "
+        "busiest stripe's lock always held: 1 / lock time per row with one stripe)\n"
+        + _table(["workload", "", "busy %", "us/hold", "holds/batch", "ns/row", "ceiling rows/s"], lock),
     ]
+    if any(ld.get("lock_stripes", 1) > 1 for _, ld in loaders):
+        stripes = [
+            [name, str(ld.get("lock_stripes", 1)), _num(100 * (ld.get("lock_busiest_stripe_busy") or 0.0), 1)]
+            for name, ld in loaders
+        ]
+        sections.append(
+            "slot-table stripes (NOTE [ Stripes ] in shm/stripes.py): the busiest stripe's lock, which sets the "
+            "ceiling\n" + _table(["workload", "stripes", "busiest busy %"], stripes)
+        )
     if any(ld.get("ranks", 1) > 1 for _, ld in loaders):
         per_rank = [
             [
