@@ -11,22 +11,26 @@ spec it is spawned with (``ChildSpec.start``) and the message carry the same val
     no filter: ``keep`` empty and ``until <= base``);
   * ``serial``: the number its commit counter is kept under, new at every load and respawn, so that a report or
     a counter of an earlier start is never taken for this one's.
+numpy is imported when a point is made, not at import (see gigashuffle/rowblock.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any
 
 from gigashuffle.rowblock import NO_ROWS, RowBlock
 
-StreamRows = npt.NDArray[np.int64]
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    StreamRows = npt.NDArray[np.int64]
 
 
 def _no_rows() -> StreamRows:
+    import numpy as np
+
     return np.empty(0, dtype=np.int64)
 
 

@@ -7,6 +7,9 @@ back into its answer (``DatasetState``) and to its successor (checkpoint/respawn
 ``RowBlock``: the buffer layout's JSON and one ``uint8 [n, row_bytes]`` array per field (numpy or torch; the
 checkpoint dict holds torch tensors). Only the dict has another shape, ``{"layout", "fields", "count", "crc32"}``
 (docs/checkpoint-format.md), made and checked here.
+
+numpy and torch are imported where rows are handled, not at import: the channel's messages carry a ``RowBlock``,
+and a process that only reads messages (tests/chaos/test_security.py's client of another user) has neither.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gigashuffle.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,24 @@ class RowBlock:
                 "load_state_dict: saved rows of different row layouts cannot be joined; the checkpoint mixes parts "
                 "of different jobs"
             )
+        import torch
+
         columns = zip(*(b.as_tensors().fields for b in blocks), strict=True)
         return RowBlock(layouts.pop(), tuple(torch.cat(list(column)) for column in columns))
 
     def as_tensors(self) -> RowBlock:
         """The same rows as torch tensors (numpy arrays are wrapped, not copied)."""
+        import torch
+
         if all(isinstance(f, torch.Tensor) for f in self.fields):
             return self
         return RowBlock(self.layout_json, tuple(_tensor(f) for f in self.fields))
 
     def crc32(self) -> int:
         """CRC-32 of the rows' bytes, field after field."""
+        import numpy as np
+        import torch
+
         crc = 0
         for field in self.fields:
             array = field.contiguous().numpy() if isinstance(field, torch.Tensor) else np.ascontiguousarray(field)
@@ -82,6 +92,8 @@ class RowBlock:
     @classmethod
     def from_part(cls, key: str, rows: Any) -> RowBlock:
         """A part's ``"rows"`` entry, checked: shape, count and checksum (a truncated or tampered part is refused)."""
+        import torch
+
         if not rows:
             return cls()
         fields = rows.get("fields") if isinstance(rows, dict) else None
@@ -114,6 +126,9 @@ class RowBlock:
 
 
 def _tensor(field: Any) -> torch.Tensor:
+    import numpy as np
+    import torch
+
     return field if isinstance(field, torch.Tensor) else torch.from_numpy(np.asarray(field))
 
 
