@@ -15,26 +15,28 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            text = stat_file.read()
+    except OSError:
+        return None
+    return text[text.rindex(b")") + 2 :].split()
+
+
 def process_start(pid: int) -> int:
     """When ``pid`` started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``), the identity that a reused
     pid does not share; 0 if there is no such process. A zombie still has one (as for ``pid_alive``): a process
     that is dying may yet commit or release slots, and its pid is not reused before it is reaped."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            text = stat_file.read()
-    except OSError:
-        return 0
-    return int(text[text.rindex(b")") + 2 :].split()[19])
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[19])
 
 
 def parent_of(pid: int) -> int:
     """``pid``'s parent (field 4 of ``/proc/<pid>/stat``); 0 if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            text = stat_file.read()
-    except OSError:
-        return 0
-    return int(text[text.rindex(b")") + 2 :].split()[1])
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[1])
 
 
 def pid_namespace() -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import leaks
 import pytest
@@ -72,25 +74,38 @@ def test_an_empty_runtime_dir_has_no_buffer(runtime_dir: Path) -> None:
     assert find_served_buffer(runtime_dir, buffer_scope("redis://h:6379/0", "q", "n")) is None
 
 
-def test_a_buffer_is_found_only_once_it_says_its_scope(runtime_dir: Path) -> None:
-    """A writer serves its new buffer before its publication is decided, without the scope; a losing buffer is
-    dropped, so only a won one may be found (NOTE [ A buffer Redis forgot ])."""
-    scope = buffer_scope("redis://h:6379/0", "q", "node-a")
+@contextlib.contextmanager
+def _serving(runtime_dir: Path, fake_pid: int, info: dict[str, Any]) -> Iterator[AttachServer]:
+    """One process's attach server of a buffer and its table."""
     buffer, table = SharedMemory(4096), SharedMemory(4096)
     assert buffer.fd is not None and table.fd is not None
-    server = AttachServer(attach_socket_path(1_000_003, runtime_dir), (buffer.fd, table.fd),
-                          attach_info(None, 4096, FIELDS))  # fmt: skip
+    server = AttachServer(attach_socket_path(fake_pid, runtime_dir), (buffer.fd, table.fd), info)
     try:
-        assert find_served_buffer(runtime_dir, scope) is None
-        server.set_info(attach_info(scope, 4096, FIELDS))
-        found = find_served_buffer(runtime_dir, scope)
-        assert found is not None and found.fields == FIELDS
-        os.close(found.buffer_fd)
-        os.close(found.table_fd)
+        yield server
     finally:
         server.close()
         buffer.close()
         table.close()
+
+
+def _found_fields(runtime_dir: Path, scope: str) -> dict[str, bytes] | None:
+    """The metadata of the buffer of ``scope`` found, its fds closed; None if none is found."""
+    found = find_served_buffer(runtime_dir, scope)
+    if found is None:
+        return None
+    os.close(found.buffer_fd)
+    os.close(found.table_fd)
+    return found.fields
+
+
+def test_a_buffer_is_found_only_once_it_says_its_scope(runtime_dir: Path) -> None:
+    """A writer serves its new buffer before its publication is decided, without the scope; a losing buffer is
+    dropped, so only a won one may be found (NOTE [ A buffer Redis forgot ])."""
+    scope = buffer_scope("redis://h:6379/0", "q", "node-a")
+    with _serving(runtime_dir, 1_000_003, attach_info(None, 4096, FIELDS)) as server:
+        assert _found_fields(runtime_dir, scope) is None
+        server.set_info(attach_info(scope, 4096, FIELDS))
+        assert _found_fields(runtime_dir, scope) == FIELDS
 
 
 def test_a_buffer_whose_trainer_is_gone_is_not_adopted(runtime_dir: Path) -> None:
@@ -103,20 +118,9 @@ def test_a_buffer_whose_trainer_is_gone_is_not_adopted(runtime_dir: Path) -> Non
     os.waitpid(gone, 0)
     assert dead[1] != 0 and process_start(gone) != dead[1], "the trainer named is dead"
     scope = buffer_scope("redis://h:6379/0", "q", "node-a")
-    buffer, table = SharedMemory(4096), SharedMemory(4096)
-    assert buffer.fd is not None and table.fd is not None
-    server = AttachServer(attach_socket_path(1_000_004, runtime_dir), (buffer.fd, table.fd),
-                          attach_info(scope, 4096, FIELDS, dead))  # fmt: skip
-    before = leaks.memfd_fds()
-    try:
-        assert find_served_buffer(runtime_dir, scope) is None
+    with _serving(runtime_dir, 1_000_004, attach_info(scope, 4096, FIELDS, dead)) as server:
+        before = leaks.memfd_fds()
+        assert _found_fields(runtime_dir, scope) is None
         assert leaks.memfd_fds() == before, "the passed-over buffer's fds were closed"
         server.set_info(attach_info(scope, 4096, FIELDS, (os.getpid(), process_start(os.getpid()))))
-        found = find_served_buffer(runtime_dir, scope)
-        assert found is not None and found.fields == FIELDS, "a live trainer's buffer is found"
-        os.close(found.buffer_fd)
-        os.close(found.table_fd)
-    finally:
-        server.close()
-        buffer.close()
-        table.close()
+        assert _found_fields(runtime_dir, scope) == FIELDS, "a live trainer's buffer is found"
