@@ -69,9 +69,18 @@ def test_a_checkpoint_before_the_first_read_after_a_resume_counts_each_row_once(
     share = cfg.min_full_slots // 2  # writer 0's share of the first mix: 64 rows, inside its second chunk
     if share % CHUNK == 0:
         raise AssertionError("the share must end inside a chunk for this test to mean anything")
+    seen = checkpointed_in_the_window(cfg, _start(queue))
+    twice = sorted(i for i, n in seen.items() if n > 1)
+    assert not twice, f"{way}: {len(twice)} rows of pass 0 came twice after the resume, e.g. {twice[:10]}"
+
+
+def checkpointed_in_the_window(cfg: DataloaderConfig, start: dict[str, Any]) -> Counter[int]:
+    """Resume ``start``, checkpoint while only writer 0's first-mix share is in (checked, not assumed), resume that
+    checkpoint: the ids of pass 0 read after it, with their counts."""
+    share = cfg.min_full_slots // 2
     deadline_s = startup_deadline(60.0, 20)
     with MultiprocessShuffledDataloader(PassIds(IDS, CHUNK), cfg) as resumed:
-        resumed.load_state_dict(_start(queue))
+        resumed.load_state_dict(start)
         deadline = time.monotonic() + deadline_s
         while (full := resumed.stats().full) < share:
             if time.monotonic() > deadline:
@@ -82,6 +91,4 @@ def test_a_checkpoint_before_the_first_read_after_a_resume_counts_each_row_once(
         checkpoint = resumed.state_dict()
     with MultiprocessShuffledDataloader(PassIds(IDS, CHUNK), cfg) as last:
         last.load_state_dict(checkpoint)
-        seen = _pass0_ids(last, deadline_s)
-    twice = sorted(i for i, n in seen.items() if n > 1)
-    assert not twice, f"{way}: {len(twice)} rows of pass 0 came twice after the resume, e.g. {twice[:10]}"
+        return _pass0_ids(last, deadline_s)

@@ -17,18 +17,15 @@ open the window its mutation needs and asserts, with the window's markers, that 
 from __future__ import annotations
 
 import collections
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from datasets import PassIds
-from test_checkpoint_after_resume import BS, CHUNK, IDS, SHUFFLE, _pass0_ids, _start
+from test_checkpoint_after_resume import BS, CHUNK, IDS, SHUFFLE, _start, checkpointed_in_the_window
 from test_checkpoint_nodecut import STRIDE, _counted, _segment
-from timing import startup_deadline
 
-from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle import DataloaderConfig
 
 _NODE_IDS = "200"  # ids per writer per pass in the two-rank scenario (nodecut_job.py --ids)
 
@@ -85,20 +82,7 @@ def test_a_positions_checkpoint_in_the_first_mix_wait_after_a_positions_resume_l
     start = _start(queue)
     keep_all = {"at": 0, "keep": torch.arange(IDS, dtype=torch.int64), "until": IDS}
     start["rank0"]["positions"] = [keep_all, None]
-    deadline_s = startup_deadline(60.0, 20)
-    with MultiprocessShuffledDataloader(PassIds(IDS, CHUNK), cfg) as resumed:
-        resumed.load_state_dict(start)
-        deadline = time.monotonic() + deadline_s
-        while (full := resumed.stats().full) < share:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"writer 0 did not write its share ({share} rows) within {deadline_s:.0f} s")
-            time.sleep(0.01)
-        # The window: only writer 0's share is in, so it waits inside its second chunk for the first read.
-        assert full == share, f"{full} rows full, not writer 0's {share} alone: writer 1 was not late enough"
-        checkpoint = resumed.state_dict()
-    with MultiprocessShuffledDataloader(PassIds(IDS, CHUNK), cfg) as last:
-        last.load_state_dict(checkpoint)
-        seen = _pass0_ids(last, deadline_s)
+    seen = checkpointed_in_the_window(cfg, start)
     twice = sorted(i for i, n in seen.items() if n > 1)
     assert not twice, f"{len(twice)} rows of pass 0 came twice after the resume, e.g. {twice[:10]}"
 
