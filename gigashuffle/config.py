@@ -25,6 +25,7 @@ _URL_FIX = "use redis://host:port/db, rediss://... or unix:///path/to.sock"
 REDIS_URL_ENV = "GIGASHUFFLE_REDIS_URL"
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
+MOST_STRIPES = 16  # the most lock_stripes a config may ask for (the table's layout allows more: shm/journal.py)
 BATCH_FORMATS = ("list", "dict")
 # How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in checkpoint/positions.py.
 CHECKPOINT_ROWS = ("saved", "positions")
@@ -134,6 +135,10 @@ class DataloaderConfig:
     then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     ``ring_depth`` is how many batches each reader keeps in flight; None picks 4 to 8 by batch size (see
     :func:`gigashuffle.shm.buffer.ring_depth_for`).
+    ``lock_stripes=N`` splits the node's slot table into N stripes, each with its own lock (NOTE [ Stripes ] in
+    shm/stripes.py): the node's ceiling on small rows grows about N-fold, at more CPU per row (tiny 80-byte rows at
+    1 writer + 1 reader: about a third more; docs/benchmarks.md). 1, the default, is one lock: below about 100M
+    small rows/s per node it is the cheaper choice. Every rank of a node must give the same value.
     Batches that drop into a model: ``batch_format="dict"`` yields the one group of a chunk as a plain ``dict``
     instead of a one-element list (chunks with several groups are refused when the first batch arrives);
     ``index_key=False`` leaves ``INDEX_KEY`` out of every batch (it is needed with ``evict_on_read=False``);
@@ -167,6 +172,7 @@ class DataloaderConfig:
     redis_db: int | None = None
     max_restarts: int = 3
     ring_depth: int | None = None
+    lock_stripes: int = 1
     node_id: str | None = None
     redis_timeout_s: float = 30.0
     seed: int | None = None
@@ -290,6 +296,14 @@ class DataloaderConfig:
         if self.ring_depth is not None and self.ring_depth < 2:
             raise _fail(
                 "ring_depth", self.ring_depth, "readers need at least 2 batches in flight; use >= 2, or None (auto)"
+            )
+        stripes = self.lock_stripes
+        if not 1 <= stripes <= MOST_STRIPES or (stripes > 1 and self.shuffle_size < stripes * self.bs * 4):
+            raise _fail(
+                "lock_stripes",
+                self.lock_stripes,
+                f"use 1 to {MOST_STRIPES}, with shuffle_size >= lock_stripes * bs * 4 (a stripe holds at least 4 "
+                f"batches; shuffle_size={self.shuffle_size}, bs={self.bs}); 1 is one lock",
             )
         if self.max_restarts < 0:
             raise _fail("max_restarts", self.max_restarts, "use 0 (fail fast) or a positive budget")

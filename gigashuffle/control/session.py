@@ -57,6 +57,7 @@ _STOP_WAIT_S = 1.0  # how long stopping the heartbeat waits for a beat in progre
 # (checkpoint/positions.py).
 _SHARED_FIELDS = (
     "bs", "shuffle_size", "min_mixing", "fill_once", "evict_on_read", "local_world_size", "seed", "checkpoint_rows",
+    "lock_stripes",
 )  # fmt: skip
 
 

@@ -139,7 +139,7 @@ class ChildEnv:
         """Allocate the buffer and its slot table and publish them, unless another process got there first; True
         if we own them."""
         buffer = SlotBuffer(layout, self.config.shuffle_size)
-        table = SlotTable(self.config.shuffle_size)
+        table = SlotTable(self.config.shuffle_size, stripes=self.config.lock_stripes)
         fields = {
             "layout": layout.to_json().encode(),
             "slots": str(self.config.shuffle_size).encode(),
@@ -172,7 +172,8 @@ class ChildEnv:
             os.close(served.table_fd)
             return None
         self.buffer = SlotBuffer(layout, slots, SharedMemory(nbytes, served.buffer_fd))
-        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), served.table_fd))
+        stripes = self.config.lock_stripes
+        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots, stripes), served.table_fd), stripes=stripes)
         return self._publish(fields)
 
     def _publish(self, fields: dict[str, bytes]) -> bool:
@@ -226,7 +227,8 @@ class ChildEnv:
         timeout_s = self.config.redis_timeout_s
         buffer_fd, table_fd = fetch_node_fds(self.store, self.config.queue_name, timeout_s, self._served_unlisted)
         self.buffer = SlotBuffer(layout, slots, SharedMemory(int(meta["nbytes"]), buffer_fd))
-        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+        stripes = self.config.lock_stripes
+        self.table = SlotTable(slots, SharedMemory(table_nbytes(slots, stripes), table_fd), stripes=stripes)
         self._serve()
         return layout
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 import random
 import time
 
+from gigashuffle.config import MOST_STRIPES
 from gigashuffle.shm.journal import H_EMPTY, H_FULL, H_HELD_NS, H_HOLDS, H_LENGTH, H_OWNER, Header, Journal
 from gigashuffle.shm.nodelock import NodeLock
 from gigashuffle.shm.nodelock import _pid as _this_pid  # kept current across fork by nodelock's hook
 from gigashuffle.shm.picker import SlotPicker
 
 STRIPE_SLOTS = 16384  # the least slots of a stripe that default_stripes makes: 16 batches of 1,024 rows
-MOST_STRIPES = 16
 
 
 def default_stripes(slots: int) -> int:

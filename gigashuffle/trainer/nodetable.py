@@ -68,8 +68,8 @@ class TableView:
         except AttachError as exc:
             log.debug("slot table not mapped yet: %s", exc)
             return
-        slots = self._config.shuffle_size
-        self._table = SlotTable(slots, SharedMemory(table_nbytes(slots), table_fd))
+        slots, stripes = self._config.shuffle_size, self._config.lock_stripes
+        self._table = SlotTable(slots, SharedMemory(table_nbytes(slots, stripes), table_fd), stripes=stripes)
         self._keep_meta(buffer_fd)  # closes buffer_fd, or keeps the buffer mapped from it (map_rows)
 
     def rows(self) -> SlotBuffer:

@@ -13,7 +13,6 @@ from checkpoint_job import FiniteIds
 from datasets import take
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
-from gigashuffle.shm.stripes import default_stripes
 
 SLOTS = 32768
 IDS = 60000
@@ -22,7 +21,7 @@ CHUNK = 2048
 
 def _config(redis_url: str, **overrides: Any) -> DataloaderConfig:
     settings: dict[str, Any] = dict(bs=256, shuffle_size=SLOTS, queue_name=f"stripes-{uuid.uuid4().hex[:8]}",
-                                    num_writers=1, num_readers=2, redis_url=redis_url)  # fmt: skip
+                                    num_writers=1, num_readers=2, redis_url=redis_url, lock_stripes=2)  # fmt: skip
     settings.update(overrides)
     return DataloaderConfig(**settings)
 
@@ -43,10 +42,11 @@ def _read_pass(loader: MultiprocessShuffledDataloader, before: list[int]) -> Non
 
 @pytest.mark.parametrize("way", ["saved", "positions"])
 def test_a_striped_table_delivers_every_row_once_across_a_checkpoint(redis_url: str, way: str) -> None:
-    assert default_stripes(SLOTS) == 2
     cfg = _config(redis_url, checkpoint_rows=way)
     with MultiprocessShuffledDataloader(FiniteIds(IDS, CHUNK), cfg) as loader:
         before = [int(i) for b in take(iter(loader), 40) for i in b[0]["id"]]
+        table = loader._sup.table()
+        assert table is not None and table.stripes == 2, "the node's table has the stripes the config asks for"
         state = loader.state_dict()
     with MultiprocessShuffledDataloader(FiniteIds(IDS, CHUNK), cfg) as again:
         again.load_state_dict(state)

@@ -411,3 +411,11 @@ def test_only_the_mode_that_delivers_each_row_once_saves_rows_at_a_checkpoint() 
 
     assert mode() and not mode(evict_on_read=False)
     assert not mode(fill_once=True, num_readers=1, min_mixing=1.0)
+
+
+def test_lock_stripes_defaults_to_one_lock_and_names_its_bounds() -> None:
+    assert DataloaderConfig(bs=4, shuffle_size=64, queue_name="q").lock_stripes == 1
+    assert DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", lock_stripes=4).lock_stripes == 4
+    for bad, why in ((0, "use 1 to 16"), (17, "use 1 to 16"), (5, r"shuffle_size=64, bs=4")):
+        with pytest.raises(ValueError, match=rf"DataloaderConfig\.lock_stripes={bad} is invalid: .*{why}"):
+            DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", lock_stripes=bad)

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--readers", type=_positive, default=1, help="reader processes per rank (default 1)")
     parser.add_argument(
+        "--lock-stripes", type=_positive, default=1, help="DataloaderConfig.lock_stripes of every rank (default 1)"
+    )
+    parser.add_argument(
         "--ranks",
         type=_positive,
         default=1,

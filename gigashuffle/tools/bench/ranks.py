@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_MIXING = 0.5
+# --lock-stripes of `gigashuffle bench`, for every rank (the ranks it starts inherit it with the environment).
+LOCK_STRIPES_VARIABLE = "GIGASHUFFLE_BENCH_LOCK_STRIPES"
 # Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
 WARMUP_CAP_S = 30.0
 # A rank process imports torch, starts a loader and warms up; on a loaded 2-core machine that can take a while.
@@ -89,6 +91,7 @@ def rank_config(
         global_world_size=ranks,
         redis_url=redis_url,
         checkpoint_rows=stateful.checkpoint_rows(),
+        lock_stripes=int(os.environ.get(LOCK_STRIPES_VARIABLE, "1")),
     )
 
 

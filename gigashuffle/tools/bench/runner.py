@@ -29,6 +29,7 @@ from gigashuffle.tools.bench.baselines import copy_floor, dataloader_baseline, t
 from gigashuffle.tools.bench.cpu import loader_meter, own_meter
 from gigashuffle.tools.bench.options import DATALOADER_WORKERS, build_parser
 from gigashuffle.tools.bench.ranks import (
+    LOCK_STRIPES_VARIABLE,
     MIN_MIXING,
     READY_TIMEOUT_S,
     WARMUP_CAP_S,
@@ -368,6 +369,7 @@ def _measure_baselines(workload: Workload, seconds: float) -> Result:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stateful.mode = args.checkpoint_rows
+    os.environ[LOCK_STRIPES_VARIABLE] = str(args.lock_stripes)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     results = [
