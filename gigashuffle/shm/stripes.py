@@ -3,7 +3,9 @@
 NOTE [ Stripes ]
 One lock for the whole table makes its transitions serial, so a node's rate of small rows tops out at
 1 / (lock time per row) whatever its cores (NOTE [ Node lock budget ] in shm/slottable.py). The table is split into
-``S`` stripes of consecutive slots (``S`` fixed when the table is made: ``default_stripes``); stripe ``k`` has its
+``S`` stripes of consecutive slots (``S`` fixed when the table is made: the loader's ``lock_stripes``, 1 unless
+asked, since stripes cost CPU per row below the one lock's ceiling: docs/benchmarks.md; a table made without a
+count gets ``default_stripes``); stripe ``k`` has its
 own lock (NOTE [ Stripe locks ] in shm/nodelock.py), header (journal words, full and empty counts, rows written and
 read, version clock, lock figures), journal (its range of the journal-id column) and lanes. An op that moves slots of
 one stripe takes that stripe's lock only, so ``S`` of them run at once:
