@@ -556,12 +556,8 @@ def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
         c = _take(c._replace(chunk=rows, ds=c.ds + len(rows)))
         return _put(w, i, _settle(cfg, c))
     if pc == "end":
-        if c.pending:
-            t = tm.commit(t, c.pid, c.pending, c.lane)
-            return _put(w._replace(table=t), i, c._replace(pending=()))
-        if c.reserved:
-            t = tm.give_back(t, c.pid, c.reserved)
-            return _put(w._replace(table=t), i, c._replace(reserved=()))
+        if (step := _publish_then_give_back(w, i, c)) is not None:
+            return step
         return _put(w, i, c._replace(pc="idle"))
     if pc == "write":
         return _write_step(cfg, w, i, c)
@@ -586,6 +582,18 @@ def _writer_step(cfg: Config, w: World, i: int, report: bool) -> World | None:
     raise ModelError(f"writer pc {pc}")
 
 
+def _publish_then_give_back(w: World, i: int, c: Writer) -> World | None:
+    """pending.publish() then reserved.give_back(), a step each; None once neither has anything left."""
+    t = w.table
+    if c.pending:
+        t = tm.commit(t, c.pid, c.pending, c.lane)
+        return _put(w._replace(table=t), i, c._replace(pending=()))
+    if c.reserved:
+        t = tm.give_back(t, c.pid, c.reserved)
+        return _put(w._replace(table=t), i, c._replace(reserved=()))
+    return None
+
+
 def _serve_trainer(cfg: Config, c: Writer) -> Writer:
     """serve_trainer (writer.py:499-507): the rows ``:done`` count as in the buffer, then the messages."""
     if c.wsaved:
@@ -600,12 +608,8 @@ def _write_step(cfg: Config, w: World, i: int, c: Writer) -> World | None:
     t = w.table
     allowed, c = _mix_allowed(cfg, t, c, len(c.wrows) - c.wdone)
     if not allowed:  # writer.py:515-523: publish, give back, serve the trainer, back off
-        if c.pending:
-            t = tm.commit(t, c.pid, c.pending, c.lane)
-            return _put(w._replace(table=t), i, c._replace(pending=()))
-        if c.reserved:
-            t = tm.give_back(t, c.pid, c.reserved)
-            return _put(w._replace(table=t), i, c._replace(reserved=()))
+        if (step := _publish_then_give_back(w, i, c)) is not None:
+            return step
         return _put(w, i, _serve_trainer(cfg, c))
     if not c.reserved:  # writer.py:524-535
         if c.pending:
