@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import inspect
 import json
 import os
+import signal
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import numpy as np
 import psutil
 import redis
+from forked import fork_child, wait_child
 
 from gigashuffle.control.client import connect
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
 from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.shm import journal
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.journal import H_LENGTH
 from gigashuffle.shm.slottable import (
@@ -127,3 +133,23 @@ def lock_is_free(table: SlotTable) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def repair_killed_in_the_journal(table: SlotTable) -> int:
+    """Fork a process that repairs ``table`` and is SIGKILLed on the journal line that turns a read slot full again
+    (``Journal._apply_by_state``), so the repair's op is journaled and half applied; its wait status."""
+    apply = journal.Journal._apply_by_state
+    lines, first = inspect.getsourcelines(apply)
+    target = {first + k for k, text in enumerate(lines) if "old == READING)] = FULL" in text}
+
+    def repair_then_die() -> int:
+        def stop(frame: FrameType, event: str, arg: object) -> Any:
+            if event == "line" and frame.f_code.co_filename == journal.__file__ and frame.f_lineno in target:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return stop
+
+        sys.settrace(stop)
+        table.repair()
+        return 1
+
+    return wait_child(fork_child(repair_then_die))

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from slot_audit import lock_is_free
+from slot_audit import lock_is_free, repair_killed_in_the_journal
 
 from gigashuffle.shm import holders, journal, nodelock, picker, readops, slotmap, slottable, stripes, wideops
 from gigashuffle.shm.slottable import EMPTY, FULL, READING, SlotTable
@@ -127,25 +127,7 @@ def _evict_args(table: SlotTable, v: int) -> Any:
 
 def _half_repaired(table: SlotTable, v: int) -> Any:
     """A repair killed half-way through applying its journaled op: the victim's next lock rolls it forward."""
-    target = [
-        n
-        for n in _lines_of(journal.Journal._apply_by_state)
-        if "old == READING)] = FULL" in linecache.getline(journal.__file__, n)
-    ]
-    helper = os.fork()
-    if helper == 0:
-        try:
-
-            def stop(frame: FrameType, event: str, arg: object) -> Any:
-                if event == "line" and frame.f_code.co_filename == journal.__file__ and frame.f_lineno in target:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return stop
-
-            sys.settrace(stop)
-            table.repair()
-        finally:
-            os._exit(1)
-    _, status = os.waitpid(helper, 0)
+    status = repair_killed_in_the_journal(table)
     assert os.WIFSIGNALED(status), "the helper's repair was not cut"
     assert table._wide.words[journal.H_LENGTH] != 0, "the helper left no journaled op (a repair is wide)"
     return None

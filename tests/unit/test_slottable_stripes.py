@@ -7,18 +7,14 @@ No Redis and no loader: real shared memory, real locks, real forked processes ki
 
 from __future__ import annotations
 
-import linecache
 import os
 import signal
-import sys
-from types import FrameType
-from typing import Any
 
 import numpy as np
 import pytest
 from forked import fork_child as _fork
 from forked import wait_child as _wait
-from slot_audit import lock_is_free
+from slot_audit import lock_is_free, repair_killed_in_the_journal
 
 from gigashuffle.shm import journal
 from gigashuffle.shm.buffer import SharedMemory
@@ -213,23 +209,7 @@ def test_a_wide_op_its_holder_died_in_is_rolled_forward_by_the_next_one_stripe_o
         return 0
 
     assert _wait(_fork(reader)) == 0
-    target = {
-        n
-        for n in range(1, 200)
-        if "old == READING)] = FULL" in linecache.getline(journal.__file__, n)
-    }  # fmt: skip
-
-    def repair_then_die() -> int:
-        def stop(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line" and frame.f_code.co_filename == journal.__file__ and frame.f_lineno in target:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return stop
-
-        sys.settrace(stop)
-        table.repair()
-        return 1
-
-    status = _wait(_fork(repair_then_die))
+    status = repair_killed_in_the_journal(table)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
     assert int(table._wide.header[journal.H_LENGTH]) != 0, "the helper left no wide op journaled"
     assert lock_is_free(table)
