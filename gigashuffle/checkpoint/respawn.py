@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gigashuffle.errors import CheckpointError
 from gigashuffle.procs.messages import Progress
 from gigashuffle.procs.positions import filtered_commits
 from gigashuffle.procs.resume import COUNTER_BYTES
@@ -69,12 +70,24 @@ class ResumePoints:
 
     def on_death(
         self, index: int, lanes: tuple[int, int], read_lanes: Callable[[tuple[int, ...]], tuple[int, ...] | None]
-    ) -> None:
+    ) -> CheckpointError | None:
         """The writer died: where its successor starts (NOTE [ Respawned writers ]). ``lanes``: its lanes,
-        ``read_lanes``: their values once any op it died inside is rolled forward (NOTE [ Lanes ])."""
+        ``read_lanes``: their values once any op it died inside is rolled forward (NOTE [ Lanes ]).
+
+        Returns an error when where its committed rows end cannot be known: it attached (so it may have committed
+        rows) and its lanes cannot be read. A successor would then repeat or skip rows; the caller stops the
+        loader rather than deliver them. (A writer that never attached committed nothing: its channel is drained
+        before this is called, so its ``Attached`` would have been seen.)"""
         w = self._writers[index]
         point = w.point
         values = read_lanes(lanes) if w.counter is not None and lanes[0] >= 0 else None
+        lost: CheckpointError | None = None
+        if w.counter is not None and lanes[0] >= 0 and values is None:
+            lost = CheckpointError(
+                f"writer {index} died and the node's slot table cannot be read in this process, so where its "
+                "committed rows end is not known: a successor would repeat or skip rows. The loader stops; resume "
+                "from the last checkpoint"
+            )
         if w.counter is not None and values is not None:
             serial, stream_base, saved_base = (
                 int(v) for v in np.frombuffer(w.counter.numpy_view(0, COUNTER_BYTES), np.int64)
@@ -96,6 +109,7 @@ class ResumePoints:
             w.counter = None
         w.point = dataclasses.replace(point, serial=next(self._serials))
         w.reports.clear()
+        return lost
 
     def close(self) -> None:
         for w in self._writers:

@@ -73,7 +73,8 @@ Handler = Callable[[ChildProcess, Any, list[int]], None]
 # Lane values once any op a dead child was inside is rolled forward (None: the table is not mapped).
 LaneReader = Callable[[tuple[int, ...]], "tuple[int, ...] | None"]
 # A writer died: its index, its lanes (NOTE [ Lanes ]) and how to read them; called before its slots are repaired.
-DeathHandler = Callable[[int, tuple[int, int], LaneReader], None]
+# An error returned: its successor cannot start exactly, so the loader stops with it instead of respawning.
+DeathHandler = Callable[[int, tuple[int, int], LaneReader], "GigashuffleError | None"]
 
 
 class Supervisor:
@@ -291,10 +292,12 @@ class Supervisor:
             remove_socket(attach_socket_path(child.pid, self.runtime_path))
         if self._closed:
             return
+        inexact: GigashuffleError | None = None
         if child.role == "writer" and self.stateful:
             # Before the repair: its successor starts after its last commit (NOTE [ Respawned writers ]).
+            lanes = writer_lanes(self.config.local_rank, child.index)
             for handler in self._death_handlers:
-                handler(child.index, writer_lanes(self.config.local_rank, child.index), self._lane_values)
+                inexact = inexact or handler(child.index, lanes, self._lane_values)
         self._reclaim(child)
         error = WorkerDied(child.role, child.index, child.pid or -1, exitcode, child.traceback_text,
                            self.config.queue_name)  # fmt: skip
@@ -309,6 +312,9 @@ class Supervisor:
                 child.superseded = True
                 if self.session.lost is None:
                     self.session.lost = QueueStateLostError(f"{child.role} {child.index} found: {error}")
+        elif inexact is not None and self.config.delivers_once:
+            if self.failure is None:
+                self.failure = inexact
         elif child.restarts < self._restart_budget(child) and not child.traceback_text:
             log.warning("%s; restarting it (%d of %d)", error, child.restarts + 1, self.config.max_restarts)
             self._restarts += 1

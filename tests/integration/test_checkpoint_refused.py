@@ -146,3 +146,24 @@ def test_a_cut_that_cannot_map_the_slot_table_fails_instead_of_saving_no_buffer_
         part = loader.state_dict()["rank0"]
         take(iter(loader), 5)  # the failed cut resumed every child
     assert part["rows"] and part["rows"]["count"] >= 64 // 2, "the buffer's rows were not saved once it was mapped"
+
+
+def test_a_writer_death_whose_commits_cannot_be_read_stops_the_loader_instead_of_repeating_rows(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a dead writer's committed rows end is read from the node's slot table (NOTE [ Lanes ]); a trainer that
+    cannot map it once started the successor from its predecessor's start, with a warning, and so repeated every
+    row that writer had committed. Now the loader fails with a CheckpointError that says why. The writer is killed
+    by a fail point of its own (armed in the zygote's environment), the table is kept unmapped by one of the
+    trainer's."""
+    killed, unmapped = tmp_path / "killed", tmp_path / "unmapped"
+    monkeypatch.setenv("GIGASHUFFLE_FAILPOINTS", f"writer.after_commit=6:{killed}")
+    monkeypatch.setattr(failpoints, "_POINTS", {"trainer.map_table": (1, f"error:{unmapped}")})
+    monkeypatch.setattr(failpoints, "ACTIVE", True)
+    queue = f"refuse-death-{uuid.uuid4().hex[:8]}"
+    config = _config(redis_url, queue, max_restarts=3)
+    refused = pytest.raises(CheckpointError, match="writer 0 died and the node's slot table cannot be read")
+    with MultiprocessShuffledDataloader(Counter(), config) as loader, refused:
+        take(iter(loader), 10**6)  # ends with the error: rows stop when the only writer is not respawned
+    assert killed.exists(), "the writer's fail point never fired: the test checked nothing"
+    assert unmapped.exists(), "the trainer's fail point never fired: the test checked nothing"
