@@ -2,9 +2,11 @@
 logs (issue 35, item 1), and a config the Trainer cannot feed to a model is refused when the trainer is built.
 
 What a user reads is checked where a user reads it: ``trainer.state.log_history``, ``trainer_state.json`` of a
-checkpoint, the log the Trainer prints, and a logger of the user's own. The user's logger is a callback given to the
-Trainer's constructor: the ``report_to`` integrations (tensorboard, wandb, ...) are callbacks registered there
-too, before anything the subclass adds, so it sees the logs as they do (none of their packages is installed here).
+checkpoint, the log the Trainer prints, a ``report_to`` logger and a logger of the user's own. None of the packages
+of transformers' ``report_to`` integrations (tensorboard, wandb, ...) is installed here, so the test adds one of its
+own to the table they are looked up in (``INTEGRATION_TO_CALLBACK``) and names it in ``report_to``: the Trainer
+builds it as it builds those, in its constructor, before anything the subclass adds. The user's logger is a
+callback given to the constructor, registered after the integrations and before the printer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 pytest.importorskip("transformers")
 from transformers import TrainerCallback, TrainingArguments
+from transformers.integrations import integration_utils
 
 from gigashuffle.integrations.transformers import GigashuffleTrainer
 
@@ -61,10 +64,17 @@ def _config(redis_url: str, **overrides: Any) -> DataloaderConfig:
     return DataloaderConfig(**settings)
 
 
-def _arguments(output_dir: Path) -> TrainingArguments:
+class ReportedLogs(UserLogger):
+    """A ``report_to`` integration: the Trainer makes it from its name in ``TrainingArguments.report_to``."""
+
+
+REPORT_TO = "gigashuffle-test-recorder"
+
+
+def _arguments(output_dir: Path, report_to: list[str] | None = None) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(output_dir), max_steps=STEPS, logging_steps=LOGGING_STEPS, save_steps=STEPS,
-        save_strategy="steps", ignore_data_skip=True, report_to=[], use_cpu=True, disable_tqdm=True,
+        save_strategy="steps", ignore_data_skip=True, report_to=report_to or [], use_cpu=True, disable_tqdm=True,
         per_device_train_batch_size=4,
     )  # fmt: skip
 
@@ -73,14 +83,17 @@ def _training_logs(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [entry for entry in logs if "loss" in entry]  # every logging_steps, not the run's summary
 
 
-def test_the_loader_figures_reach_log_history_the_printed_log_and_a_user_logger(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_the_loader_figures_reach_log_history_the_printed_log_a_report_to_logger_and_a_user_logger(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, REPORT_TO, ReportedLogs)
     logger = UserLogger()
     with MultiprocessShuffledDataloader(Counter(), _config(redis_url)) as loader:
-        trainer = GigashuffleTrainer(model=Model(), args=_arguments(tmp_path), loader=loader, callbacks=[logger])
+        args = _arguments(tmp_path, report_to=[REPORT_TO])
+        trainer = GigashuffleTrainer(model=Model(), args=args, loader=loader, callbacks=[logger])
         trainer.train()
     printed = capsys.readouterr().out
+    (report_to,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ReportedLogs)]
 
     history = _training_logs(trainer.state.log_history)
     assert [entry["step"] for entry in history] == list(range(LOGGING_STEPS, STEPS + 1, LOGGING_STEPS)), history
@@ -91,9 +104,10 @@ def test_the_loader_figures_reach_log_history_the_printed_log_and_a_user_logger(
     saved = json.loads((tmp_path / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     assert all("gigashuffle/wait_share" in entry for entry in _training_logs(saved["log_history"])), saved
 
-    reported = _training_logs(logger.logged)
-    assert len(reported) == len(history), logger.logged
-    assert all("gigashuffle/wait_share" in entry for entry in reported), reported
+    for receiver in (report_to, logger):
+        reported = _training_logs(receiver.logged)
+        assert len(reported) == len(history), (type(receiver).__name__, receiver.logged)
+        assert all("gigashuffle/wait_share" in entry for entry in reported), (type(receiver).__name__, reported)
 
     printed_logs = [line for line in printed.splitlines() if line.startswith("{") and "'loss'" in line]
     assert len(printed_logs) == len(history), printed
