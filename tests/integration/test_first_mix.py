@@ -23,6 +23,7 @@ from datasets import (
 )
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.procs import firstmix
 from gigashuffle.trainer import progress
 
 # The first-mix promise covers the start: without it, the first 300-400 batches came from one writer. Later batches
@@ -66,19 +67,25 @@ class UnevenlySlowIds(UniqueIds):
 def test_a_slow_start_with_every_writer_writing_logs_progress_and_no_warning(
     redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 35, item 4: the buffer takes longer than first_mix_wait_s to reach the first batch's rows, both writers
-    writing all along (writer 1 at a fifth of writer 0's rate: writer 0's share is in long before writer 1's). No
-    WARNING from the trainer (caplog) or the writers (their stderr: children log through Python's last resort),
-    and the rows in / rows needed at INFO."""
+    """Issue 35, item 4: the buffer takes longer than first_mix_wait_s, and longer than the STALL_S without a row
+    that makes a writer stalled, to reach the first batch's rows, both writers writing all along (writer 1 at half
+    writer 0's rate: writer 0's share is in first, and it waits first_mix_wait_s for writer 1's, which never comes
+    before the first batch). No WARNING from the trainer (caplog: its check of late writers runs the whole wait) or
+    the writers (their stderr: children log through Python's last resort), and the rows in / rows needed at INFO."""
     monkeypatch.setattr(progress, "FIRST_LINE_S", 0.2)
     caplog.set_level(logging.INFO, logger="gigashuffle")
     cfg = DataloaderConfig(
         bs=8, shuffle_size=512, queue_name=f"slow-start-{uuid.uuid4().hex[:8]}", num_writers=2, num_readers=1,
         first_mix_wait_s=1.0, redis_url=redis_url,
     )  # fmt: skip
-    # 256 rows for the first batch, 128 per writer: writer 1 needs 32 chunks of 4 rows at 0.1 s, ~3 s in all.
-    with MultiprocessShuffledDataloader(UnevenlySlowIds((0.02, 0.1)), cfg) as loader:
+    # 256 rows for the first batch, 128 per writer: 4 rows every 0.3 s and every 0.6 s, 20 rows/s together, so
+    # writer 0's share is in after ~9.6 s, writer 1 has ~64 rows then, and the first batch comes after ~13 s: past
+    # STALL_S, when a trainer that warned of every late writer, progressing or not, warned of writer 1.
+    started = time.monotonic()
+    with MultiprocessShuffledDataloader(UnevenlySlowIds((0.3, 0.6)), cfg) as loader:
         check_unique_batch(take(iter(loader), 1)[0], 8, 512)
+        waited = time.monotonic() - started
+    assert waited > firstmix.STALL_S, f"the first batch came after {waited:.1f} s: not a slow start"
     warnings = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     assert not warnings, warnings
     err = capfd.readouterr().err

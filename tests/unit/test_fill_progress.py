@@ -1,5 +1,5 @@
 """FillProgress with a fake clock and probe: what the lines say, when a bar is drawn, and that without tqdm there are
-still lines."""
+still lines; StalledWriters: which late writers a trainer warns of."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 
 from gigashuffle.trainer import progress
-from gigashuffle.trainer.progress import FillProgress, format_eta
+from gigashuffle.trainer.progress import FillProgress, StalledWriters, format_eta
 
 LINE = re.compile(
     r"^queue 'q' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<pct>[\d.]+)%\), "
@@ -160,3 +160,26 @@ def test_the_first_line_comes_a_second_into_the_wait_and_reaches_stderr_without_
     clock.now += 5.0
     fill.update()
     assert stream.getvalue().startswith("gigashuffle: queue 'q' rank 0: filling the shuffle buffer: 300/2,000 rows")
+
+
+def test_only_writers_that_wrote_no_row_for_stall_s_are_stalled_each_once() -> None:
+    """Issue 35, item 4: a writer short of its first-mix share that keeps writing is slow, not stalled, however long
+    the wait; one whose rows stop moving (or that never wrote, ``None``: no counters page yet) is, once."""
+    clock = Clock()
+    stalls = StalledWriters(10.0, clock=clock)
+    rows: dict[int, int | None] = {0: None, 1: 0, 2: 0}
+    for second in range(1, 30):  # writer 0 writes from second 3 on, writer 1 all along, writer 2 stops at second 4
+        clock.now += 1.0
+        rows = {0: None if second < 3 else 4 * second, 1: 4 * second, 2: 4 * min(second, 4)}
+        stalled = stalls.check(rows)
+        if second == 14:  # writer 2's rows last moved at second 4
+            assert stalled == [2], (second, stalled)
+        else:
+            assert stalled == [], (second, stalled)
+    late = StalledWriters(10.0, clock=clock)
+    clock.now += 9.9
+    assert late.check({5: None}) == []
+    clock.now += 0.1
+    assert late.check({5: None}) == [5], "no row since the wait began: stalled"
+    clock.now += 100.0
+    assert late.check({5: None}) == [], "warned once"
