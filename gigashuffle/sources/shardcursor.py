@@ -2,7 +2,18 @@
 
 NOTE [ Shard cursor ]
 The cursor maps each piece a writer owns to ``(pass, rows)``: the pass that piece is in and how many of its rows that
-pass has read. A piece is a row range of one shard (NOTE [ Balanced pieces ]
+pass has read. A piece is a row range of one shard (NOTE [ Balanced pieces ] below; with ``balance=False`` a whole
+shard). A piece whose last row was read moves to ``(pass + 1, 0)`` at once, so ``rows`` is always below the piece's
+length and "done with pass p" and "at the start of pass p + 1" are one state. A writer's pass is the lowest pass
+among its pieces; it reads, in that pass's shard order (a permutation of all shards drawn from the source's seed and
+the pass number), every piece of its own still in that pass, from its ``rows`` on. Because the position is per
+piece and not per writer, cursors of any number of writers merge into one map of every piece and split again over
+any other number (:func:`owners` says which writer gets which). Pieces that were ahead by a pass (their writer had
+started the next pass) simply wait for the others. A checkpoint's ``skip`` (rows after a state already written,
+NOTE [ Respawned writers ] in procs/resume.py) becomes a cursor advance along the old writer's order
+(:func:`advance`), so the re-split cursor needs no skip.
+
+NOTE [ Balanced pieces ]
 Writers read at about one rate each, so a writer's share of the rows sets how often each of its rows is read: shards
 dealt out by count (``s % G``) read a writer's small shards more often per row than another's large ones (issue 35:
 6 parquet shards over 4 writers, two shards read twice as often per row). So the shards are cut into pieces, row
