@@ -6,7 +6,11 @@ or dcp), checkpoint at step ``SAVE_AT`` through the framework, then every rank w
 the checkpoint is complete): a kill, not an exit. Rows delivered after the checkpoint (a framework that fetches
 a batch ahead, the step the kill ends) are lost with the job and must come back after the resume.
 ``--phase resume``: a new job (of the same queue) resumes from that checkpoint through the framework and trains
-``RESUME_STEPS`` more steps; each rank writes ``--dir/resume-<rank>.json``, every row its model trained on.
+until every id of pass 0 has been trained on, over both phases and both ranks, and at least ``RESUME_STEPS``
+steps (``PassZero``; at most ``MAX_RESUME_STEPS``); each rank writes ``--dir/resume-<rank>.json``, every row its
+model trained on. The end is a count, not a step number: the saved rows come back through one writer per rank,
+racing the others for empty slots, and on a loaded machine that writer can be off the CPU for the few seconds 64
+steps take, so a fixed step count lost rows that were only late (seen twice in fresh-clone runs).
 
 The dataset is finite per pass: ``IDS`` unique ids per writer (``id = wid * STRIDE + i``, ``wid`` the writer's
 job-wide id), then a new pass of the same ids. ``state_dict`` is its (pass, position) and ``wid``:
@@ -31,10 +35,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 SAVE_AT = 2
-# Steps after the resume: the rest of a rank's pass 0 (2 * IDS - SAVE_AT * BS = 32 rows, 4 steps) and then enough
-# draws that no row of pass 0 is left in the buffer: a step of both ranks draws 2 * BS = 16 of the node's
-# SHUFFLE = 64 slots, so a row stays undrawn for 56 steps with a chance of 0.75**56 = 1e-7.
+# Steps after the resume, at least: the rest of a rank's pass 0 (2 * IDS - SAVE_AT * BS = 32 rows, 4 steps) and then
+# enough draws that no row of pass 0 is left in the buffer (a row written twice would show): a step of both ranks
+# draws 2 * BS = 16 of the node's SHUFFLE = 64 slots, so a row stays undrawn for 56 steps with a chance of
+# 0.75**56 = 1e-7. The phase goes on past it until every id of pass 0 was trained on (PassZero).
 RESUME_STEPS = 64
+MAX_RESUME_STEPS = 2000  # a lost row ends the phase here, and the test names it
 NUM_WRITERS = 2
 IDS = 24  # per writer and pass: 4 writers, 96 ids; a rank's 48 are 6 steps
 STRIDE = 10**6
@@ -104,6 +110,36 @@ def kill_after_barrier(args: argparse.Namespace, model: TinyModel) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class PassZero:
+    """Whether the resumed phase may end: every id of pass 0 trained on (in the save phase, read from its files, or
+    since the resume, on any rank: an ``all_reduce``, so every rank ends at the same step) and at least
+    ``RESUME_STEPS`` steps done; or ``MAX_RESUME_STEPS``."""
+
+    def __init__(self, args: argparse.Namespace, model: TinyModel) -> None:
+        self.model = model
+        self.ids = [w * STRIDE + i for w in range(int(os.environ["WORLD_SIZE"]) * NUM_WRITERS) for i in range(IDS)]
+        self.slot = {rid: n for n, rid in enumerate(self.ids)}
+        self.seen = torch.zeros(len(self.ids), dtype=torch.int64)
+        for rank in range(int(os.environ["WORLD_SIZE"])):
+            saved = json.loads((Path(args.dir) / f"save-{rank}.json").read_text())["rows"]
+            self._count([(int(i), int(p)) for i, p in saved])
+        self.counted = 0  # of model.steps
+
+    def _count(self, rows: list[tuple[int, int]]) -> None:
+        for rid, rpass in rows:
+            if rpass == 0 and rid in self.slot:
+                self.seen[self.slot[rid]] = 1
+
+    def done(self, steps: int) -> bool:
+        for step in self.model.steps[self.counted :]:
+            self._count(step)
+        self.counted = len(self.model.steps)
+        seen = self.seen.clone()
+        if dist.is_initialized():
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        return steps >= MAX_RESUME_STEPS or (steps >= RESUME_STEPS and bool(seen.all()))
+
+
 def write_rows(args: argparse.Namespace, phase: str, steps: list[list[tuple[int, int]]]) -> None:
     rank = int(os.environ["RANK"])
     path = Path(args.dir) / f"{phase}-{rank}.json"
@@ -134,16 +170,19 @@ def run_lightning(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
             if args.phase == "save" and trainer.global_step == SAVE_AT + 1:
                 kill_after_barrier(args, module.model)
+            if args.phase == "resume" and pass_zero.done(trainer.global_step - SAVE_AT):
+                trainer.should_stop = True
 
     ckpt_dir = Path(args.dir) / "ckpt"
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_AT, save_top_k=-1)
     resume = args.phase == "resume"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=SAVE_AT + RESUME_STEPS
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=SAVE_AT + MAX_RESUME_STEPS
         if resume else 1000, callbacks=[checkpoint, Kill(), GigashuffleCallback(log_every_n_steps=2)],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     module = Module()
+    pass_zero = PassZero(args, module.model) if resume else None
     ckpt = str(ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt") if resume else None
     trainer.fit(module, datamodule=GigashuffleDataModule(lambda: make_loader(args)), ckpt_path=ckpt)
     write_rows(args, "resume", module.model.steps)
@@ -161,15 +200,18 @@ def run_transformers(args: argparse.Namespace) -> None:
         def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> None:
             if args.phase == "save" and state.global_step == SAVE_AT + 1:
                 kill_after_barrier(args, model)
+            if args.phase == "resume" and pass_zero.done(state.global_step - SAVE_AT):
+                control.should_training_stop = True
 
     resume = args.phase == "resume"
     training = TrainingArguments(
-        output_dir=str(Path(args.dir) / "out"), max_steps=SAVE_AT + RESUME_STEPS if resume else 1000,
+        output_dir=str(Path(args.dir) / "out"), max_steps=SAVE_AT + MAX_RESUME_STEPS if resume else 1000,
         save_steps=SAVE_AT, save_strategy="steps", per_device_train_batch_size=8, ignore_data_skip=True,
         report_to=[], use_cpu=True, ddp_backend="gloo", logging_steps=2, disable_tqdm=True,
     )  # fmt: skip
     loader = make_loader(args)
     model = TinyModel()
+    pass_zero = PassZero(args, model) if resume else None
     trainer = GigashuffleTrainer(model=model, args=training, loader=loader, callbacks=[Kill()])
     ckpt = str(Path(args.dir) / "out" / f"checkpoint-{SAVE_AT}") if resume else None
     trainer.train(resume_from_checkpoint=ckpt)
@@ -191,6 +233,7 @@ def run_accelerate(args: argparse.Namespace) -> None:
     model = TinyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp, optimizer = accelerator.prepare(model, optimizer)
+    pass_zero = PassZero(args, model) if args.phase == "resume" else None
     register(accelerator, loader)
     state_dir = Path(args.dir) / "state"
     if args.phase == "resume":
@@ -204,7 +247,7 @@ def run_accelerate(args: argparse.Namespace) -> None:
             accelerator.save_state(str(state_dir))
         if args.phase == "save" and step == SAVE_AT + 1:
             kill_after_barrier(args, model)
-        if args.phase == "resume" and step == RESUME_STEPS:
+        if pass_zero is not None and pass_zero.done(step):
             break
     write_rows(args, "resume", model.steps)
     loader.close()
@@ -220,6 +263,7 @@ def run_dcp(args: argparse.Namespace) -> None:
     model = TinyModel()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    pass_zero = PassZero(args, model) if args.phase == "resume" else None
     state_dir = str(Path(args.dir) / "dcp")
     if args.phase == "resume":
         dcp.load({"model": model.state_dict(), "loader": RankKeyedState(loader)}, checkpoint_id=state_dir)
@@ -232,7 +276,7 @@ def run_dcp(args: argparse.Namespace) -> None:
             dcp.save({"model": model.state_dict(), "loader": RankKeyedState(loader)}, checkpoint_id=state_dir)
         if args.phase == "save" and step == SAVE_AT + 1:
             kill_after_barrier(args, model)
-        if args.phase == "resume" and step == RESUME_STEPS:
+        if pass_zero is not None and pass_zero.done(step):
             break
     write_rows(args, "resume", model.steps)
     loader.close()

@@ -76,4 +76,8 @@ def test_checkpoint_kill_and_resume_train_on_every_id_once(tmp_path: Path, redis
     assert set(trained) <= everything, set(trained) - everything
     lost = sorted(everything - set(trained))
     twice = sorted(i for i, n in trained.items() if n > 1)
-    assert (lost, twice) == ([], []), f"{framework}: {len(lost)} ids lost {lost[:8]}, {len(twice)} twice {twice[:8]}"
+    steps = [json.loads((tmp_path / f"resume-{rank}.json").read_text())["steps"] for rank in range(WORLD)]
+    assert (lost, twice) == ([], []), (
+        f"{framework}: {len(lost)} ids lost {lost[:8]}, {len(twice)} twice {twice[:8]}, after {steps} steps per rank "
+        "since the resume (framework_job.PassZero)"
+    )
