@@ -9,9 +9,11 @@ What "resumed" means is checked from outside the scripts: the framework's own st
 (Lightning's ``last.ckpt``, the Trainer's ``trainer_state.json``, the checkpoint's name), the second run delivered
 only the batches of the steps left, and none of the rows the first run trained on came back. The rows each loader
 delivered are recorded by ``snippet_recorder/sitecustomize.py``, put on the scripts' ``PYTHONPATH``: it wraps
-``MultiprocessShuffledDataloader.__iter__`` in every process and changes nothing else. The toy dataset's rows
-follow from each writer's position, so a run that started afresh instead of resuming would deliver the first
-run's rows again.
+``MultiprocessShuffledDataloader.__iter__`` in every process, and notes each ``DistributedDataParallel`` built,
+and changes nothing else. The toy dataset's rows follow from each writer's position, so a run that started afresh
+instead of resuming would deliver the first run's rows again. Under torchrun every rank must have trained one
+model of both ranks (a DDP of world size 2): on a machine without GPUs the Trainer and accelerate otherwise let each
+rank train a model of its own, checkpoints and all, and every other check here passes.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ def snippets() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Script:
-    launch: list[str]  # before the script's name
     steps: Callable[[Path], int | None]  # the step its last checkpoint in the run's folder saved (None: none)
     ahead: int  # batches the framework may draw beyond its last step
 
@@ -74,10 +75,11 @@ def _accelerate_steps(folder: Path) -> int | None:
 
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 SCRIPTS = {
-    "train_lightning.py": Script(TORCHRUN_2, _lightning_steps, ahead=2),  # the one torchrun broke (world size)
-    "train_trainer.py": Script([sys.executable], _trainer_steps, ahead=2),
-    "train_accelerate.py": Script([sys.executable], _accelerate_steps, ahead=0),
+    "train_lightning.py": Script(_lightning_steps, ahead=2),  # the one torchrun broke (world size)
+    "train_trainer.py": Script(_trainer_steps, ahead=2),  # without use_cpu: a model per rank
+    "train_accelerate.py": Script(_accelerate_steps, ahead=0),  # without cpu=True: a model per rank
 }
+ONE_PROCESS = ("train_trainer.py", "train_accelerate.py")  # also run as `python NAME`
 FIRST, MORE = 100, 100  # the scripts checkpoint every 50 steps
 
 
@@ -108,6 +110,14 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> str:
     return out
 
 
+def _ddp_world_sizes(record: Path) -> dict[int, list[int]]:
+    """Per rank, the world size of each ``DistributedDataParallel`` its process built."""
+    return {
+        int(path.name[8:].split("-")[0]): [int(n) for n in path.read_text().split()]
+        for path in record.glob("ddp-rank*-*")
+    }
+
+
 def _delivered(record: Path) -> dict[int, list[list[str]]]:
     """Per rank, the row digests of each batch its loader delivered, in order."""
     by_rank: dict[int, list[list[str]]] = {}
@@ -136,26 +146,34 @@ def _check_resumed(first: dict[int, list[list[str]]], second: dict[int, list[lis
 
 @pytest.mark.usefixtures("runtime_dir")
 @pytest.mark.parametrize(
-    "name",
+    ("name", "torchrun"),
     [
-        pytest.param(n, marks=[pytest.mark.torchrun] if "torch.distributed.run" in s.launch else [])
-        for n, s in SCRIPTS.items()
+        *(pytest.param(n, True, marks=pytest.mark.torchrun, id=f"{n}-torchrun") for n in SCRIPTS),
+        *(pytest.param(n, False, id=f"{n}-python") for n in ONE_PROCESS),
     ],
 )
-def test_a_readme_training_script_runs_and_its_second_run_resumes(tmp_path: Path, redis_url: str, name: str) -> None:
+def test_a_readme_training_script_runs_and_its_second_run_resumes(
+    tmp_path: Path, redis_url: str, name: str, torchrun: bool
+) -> None:
     script = SCRIPTS[name]
     code = snippets()
     for file in ("toy.py", name):
         (tmp_path / file).write_text(code[file])
+    launch = TORCHRUN_2 if torchrun else [sys.executable]
     outputs, records = [], []
     for run, steps in (("first", FIRST), ("second", FIRST + MORE)):
         record = tmp_path / f"record-{run}"
-        outputs.append(_run([*script.launch, name, str(steps)], tmp_path, _env(tmp_path, record, redis_url)))
+        outputs.append(_run([*launch, name, str(steps)], tmp_path, _env(tmp_path, record, redis_url)))
         saved = script.steps(tmp_path)
         assert saved == steps, (
             f"the {run} run's last checkpoint is of step {saved}, not {steps}:\n{outputs[-1][-4000:]}"
         )
         records.append(_delivered(record))
+        if torchrun:  # one data-parallel job: every rank wraps the model in DDP over both ranks
+            ddp = _ddp_world_sizes(record)
+            assert ddp == {0: [2], 1: [2]}, (
+                f"the {run} run's DDP models (rank: world sizes): {ddp}\n{outputs[-1][-4000:]}"
+            )
     _check_resumed(*records, trained=FIRST, more=MORE, ahead=script.ahead)
     if name == "train_lightning.py":
         assert "Restored all states from the checkpoint" in outputs[1], outputs[1][-4000:]
@@ -177,6 +195,7 @@ def test_the_readme_torchrun_example_runs_and_resumes(tmp_path: Path, redis_url:
             [*TORCHRUN_2[:3], *command[1:]], REPO_ROOT, _env(tmp_path, record, redis_url)
         )  # torchrun, as a module
         records.append(_delivered(record))
+        assert _ddp_world_sizes(record) == {0: [2], 1: [2]}, _ddp_world_sizes(record)
         saved = torch.load(checkpoint, weights_only=False)["step"]
         assert saved == steps * (1 if run == "first" else 2), f"the {run} run saved step {saved}"
     assert f"resumed at step {steps} from {checkpoint}" in out, out[-4000:]

@@ -4,8 +4,10 @@ starts too) and ``GIGASHUFFLE_SNIPPET_RECORD`` names a folder.
 
 ``MultiprocessShuffledDataloader.__iter__`` is wrapped: each batch it yields appends one JSON line to
 ``<folder>/rank<RANK>-<pid>.jsonl``, the list of its rows' digests (every field but ``INDEX_KEY``, row by row), so
-a test can tell whether a resumed run delivered rows that the first run delivered. Nothing else changes; without
-the variable this module does nothing.
+a test can tell whether a resumed run delivered rows that the first run delivered. ``DistributedDataParallel`` is
+wrapped too: a process that builds one appends its world size to ``<folder>/ddp-rank<RANK>-<pid>``, so a test can
+tell that torchrun's ranks trained one model rather than a model each. Nothing else changes; without the variable
+this module does nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def _install(folder: str) -> None:
                 del batch  # hold no batch (and its ring slot) longer than the caller does
 
     MultiprocessShuffledDataloader.__iter__ = recorded  # type: ignore[method-assign]
+
+    ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+
+    @functools.wraps(ddp_init)
+    def ddp_recorded(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ddp_init(self, *args, **kwargs)
+        path = os.path.join(folder, f"ddp-rank{os.environ.get('RANK', '0')}-{os.getpid()}")
+        with open(path, "a") as out:
+            out.write(f"{torch.distributed.get_world_size()}\n")
+
+    torch.nn.parallel.DistributedDataParallel.__init__ = ddp_recorded  # type: ignore[method-assign]
 
 
 if FOLDER:
