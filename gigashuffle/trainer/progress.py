@@ -124,6 +124,9 @@ class FillProgress:
             self._bar = None
         if self._logged and reached:
             now = self.clock()
+            # The first batch came, so the rows are in, though the last probe may have seen none of them (they came
+            # between two probes): the rate counts them.
+            self._rows = max(self._rows, self.total)
             self._say(
                 f"{self.label}: the shuffle buffer reached {self.total:,} full rows (min_mixing) after "
                 f"{now - self._started:.1f} s ({self.rate(now):,.0f} rows/s)"

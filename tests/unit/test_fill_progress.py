@@ -85,6 +85,24 @@ def test_no_rows_yet_gives_an_unknown_eta_and_a_fast_fill_says_nothing(caplog: p
     assert _lines(caplog) == [], "a buffer that filled before the first line was due is not reported"
 
 
+def test_a_fill_the_probes_did_not_see_reports_the_rows_it_reached_at_their_rate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first batch comes while the last probe saw no row (the rows came between two probes): the closing line
+    counts the rows it says were reached, not '0 rows/s'."""
+    caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
+    clock = Clock()
+    fill = FillProgress("queue 'q' rank 0", 64, lambda: 0, interval_s=1.0, clock=clock, stream=io.StringIO())
+    fill.update()
+    clock.now += 1.0
+    fill.update()  # a line: 0/64 rows; the rate counts from here, the last probe without a row
+    clock.now += 0.25
+    fill.finish()  # the first batch
+    assert _lines(caplog)[-1] == (
+        "queue 'q' rank 0: the shuffle buffer reached 64 full rows (min_mixing) after 1.2 s (256 rows/s)"
+    ), _lines(caplog)
+
+
 def test_closing_before_the_target_does_not_claim_it_was_reached(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gigashuffle.trainer.progress")
     clock = Clock()
