@@ -135,6 +135,17 @@ def _ready_within(loader: MultiprocessShuffledDataloader, cuda: FakeCuda, second
     return bool(sup.inbox.ready)
 
 
+def _refilled(loader: MultiprocessShuffledDataloader, seconds: float = 10.0) -> bool:
+    """Whether a batch is ready within ``seconds``, the slots of dropped batches sent back meanwhile, with the fake
+    GPU running nothing."""
+    sup = loader._sup
+    deadline = time.monotonic() + seconds
+    while not sup.inbox.ready and time.monotonic() < deadline:
+        sup.inbox.flush()
+        sup.pump(0.05)
+    return bool(sup.inbox.ready)
+
+
 @pytest.mark.parametrize(
     "error",
     [lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), KeyboardInterrupt],
@@ -199,20 +210,32 @@ def test_pin_only_side_stream_prefetcher_with_release_after_never_reads_a_refill
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The common prefetcher: copy batch N on a side stream, drop the CPU batch, ask for batch N+1, and only then
-    order the side stream onto the current one. ``loader.release_after(side)`` makes that safe."""
+    order the side stream onto the current one. ``loader.release_after(side)`` makes that safe. The side stream is
+    slow and the current one has run all its work when N+1 is asked for, so an event on the current stream alone
+    completes at once; a slot released then is refilled by its reader before the side copy runs."""
     cuda = _fake_cuda(monkeypatch)
     on_gpu: list[Batch] = []
+    handed: list[list[int]] = []  # the ids of each batch as next() gave it, before any copy ran
     with MultiprocessShuffledDataloader(UniqueIds(), _config(redis_url, pin_memory=True)) as loader:
         side = cuda.new_stream(0)
         loader.release_after(side)
         it = iter(loader)
         for _ in range(N):
             batch = next(it)
+            handed.append(batch[0]["id"].tolist())
             on_gpu.append([{key: cuda.copy(t, 0, side) for key, t in batch[0].items()}])
             del batch
+            cuda.current_stream(0).advance()  # the step's compute is done; the side copy is not
             next_one = next(it)  # asked for before the side stream is waited on
+            if not loader._placement.pending:  # the dropped batch's slot went back under the side copy
+                _refilled(loader)  # its reader gathers into it before that copy runs, as a slow DMA would see
             cuda.wait_stream(cuda.current_stream(0), side)
+            handed.append(next_one[0]["id"].tolist())
             on_gpu.append([{key: cuda.copy(t, 0, cuda.current_stream(0)) for key, t in next_one[0].items()}])
             del next_one
     cuda.advance_all()
     _each_row_once(on_gpu)
+    # A copy that read its slot's next fill still shows each row once (each copy reads the one after): compare.
+    copied = [batch[0]["id"].tolist() for batch in on_gpu]
+    wrong = sum(c != h for c, h in zip(copied, handed, strict=True))
+    assert not wrong, f"{wrong} of {len(handed)} copies read other rows than next() handed out (a refilled slot)"

@@ -1,10 +1,12 @@
 """A hand-over that raises still returns its ring slot (issue 33; NOTE [ A ring slot's walk ] in trainer/inbox.py):
-a CUDA OOM in the device copy, a failed wait for a pinned copy, a copy that cannot be allocated, an interrupt.
+a CUDA OOM in the device copy, a failed wait for a pinned copy, a copy that cannot be allocated, an interrupt, and
+the caller's own step that fails on a batch it was handed.
 Without a loader: a real ``ChildProcess`` record with a real ring, and the reader's end of its channel to see
 which slots come back."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 
@@ -76,6 +78,24 @@ def test_a_copy_that_cannot_be_made_for_a_caller_holding_the_ring_returns_the_sl
     with pytest.raises(MemoryError):
         inbox.hand_over(child, 1)
     assert _returned(theirs) == [1] and child.held == DEPTH - 1
+
+
+def test_a_batch_the_callers_collate_like_step_fails_on_returns_its_slot(
+    reader: tuple[ChildProcess, Channel],
+) -> None:
+    """The caller's step after ``next()`` (a collate, a transform) raises with the batch in its frame: once the
+    exception is handled, nothing holds the batch and the next flush returns its slot."""
+    child, theirs = reader
+    inbox = Inbox(Placement(), [child])
+
+    def collate(batch: Batch) -> None:
+        raise ValueError(f"the caller's step fails on a batch of {len(batch[0]['id'])} rows")
+
+    for k in (0, 1, 0):  # more failures than the ring is deep
+        with contextlib.suppress(ValueError):
+            collate(inbox.hand_over(child, k))
+        inbox.flush()
+        assert _returned(theirs) == [k] and child.held == 0
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

@@ -2,10 +2,11 @@
 
 The death of a batch runs nothing of gigashuffle's; its slot goes back in ``buffer.reclaim()``, which the trainer
 runs inside ``critical()`` sections (NOTE [ Ctrl-C ] in procs/interrupts.py). A tracer calls SIGINT's handler, as a
-signal does, at every bytecode of the return path in turn (the flush, the drain of dropped batches, the reclaim, the
-release queue of pinned rings), with the script's own handler installed after everything was built (raising
-``KeyboardInterrupt``, as "save on Ctrl-C" scripts do). Whatever step it cuts, every dropped batch's slot goes back
-to its reader exactly once and no batch still held goes back.
+signal does, at every bytecode of the return path in turn (the section's entry and exit with their handler swaps,
+the flush, the drain of dropped batches, the reclaim, the send of the slots, the release queue of pinned rings and
+its events), with the script's own handler installed after everything was built (raising ``KeyboardInterrupt``, as
+"save on Ctrl-C" scripts do). Whatever step it cuts, every dropped batch's slot goes back to its reader exactly once
+and no batch still held goes back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakecuda import FakeCuda
 
 from gigashuffle.procs import interrupts
 from gigashuffle.procs.channel import Channel
@@ -29,18 +31,30 @@ from gigashuffle.schema import Layout
 from gigashuffle.shm import buffer
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
-from gigashuffle.trainer.pinning import Placement
-from gigashuffle.trainer.releases import ReleaseQueue
+from gigashuffle.trainer.pinning import CudaPlacement, Placement
+from gigashuffle.trainer.releases import ReleaseQueue, Ticket
 
 DEPTH = 4
-# The return path: what a signal may cut. Device copies and the sends themselves are other sections.
+# The return path: what a signal may cut, from the section's entry (the handler swap) to the send of ``FreeSlot``
+# and the section's exit (the swap back and the delivery of a deferred interrupt).
 TRACED: set[CodeType] = {
+    interrupts.critical.__enter__.__code__,
+    interrupts.critical.__exit__.__code__,
+    interrupts._outermost_entered.__code__,
+    interrupts._outermost_left.__code__,
     Inbox.flush.__code__,
+    Inbox.free.__code__,
     DroppedBatches.due.__code__,
     buffer.reclaim.__code__,
+    Channel.send.__code__,
+    Channel.send_bytes.__code__,
     ReleaseQueue.poll.__code__,
     ReleaseQueue._poll.__code__,
     ReleaseQueue._collect.__code__,
+    Ticket.dropped.__code__,
+    CudaPlacement.poll.__code__,
+    CudaPlacement._pin_only_event.__code__,
+    CudaPlacement._contexts.__code__,
 }
 
 
@@ -119,7 +133,7 @@ def _close(reader: ChildProcess, theirs: Channel) -> None:
     theirs.sock.close()
 
 
-def _every_bytecode(round_trip: Callable[[int], tuple[str | None, list[int], list[int]]]) -> None:
+def _every_bytecode(round_trip: Callable[[int], tuple[str | None, list[int], list[int]]], least: int = 40) -> None:
     fired = 0
     for n in range(100_000):
         fired_in, freed, expected = round_trip(n)
@@ -129,7 +143,7 @@ def _every_bytecode(round_trip: Callable[[int], tuple[str | None, list[int], lis
         if fired_in is None:
             break  # past the end of the path
         fired += 1
-    assert fired >= 40, f"only {fired} bytecodes traced: the tracer misses the return path"
+    assert fired >= least, f"only {fired} bytecodes traced: the tracer misses the return path"
 
 
 def test_a_signal_at_every_bytecode_of_the_flush_returns_each_slot_once() -> None:
@@ -153,7 +167,41 @@ def test_a_signal_at_every_bytecode_of_the_flush_returns_each_slot_once() -> Non
         _close(reader, theirs)
         return fired_in, freed, [0, 1, 2]
 
-    _every_bytecode(round_trip)
+    _every_bytecode(round_trip, least=400)  # 516 when written
+
+
+def test_a_signal_at_every_bytecode_of_the_pinned_return_path_returns_each_slot_once() -> None:
+    """Pinned rings (pin_memory alone), end to end as ``next()`` runs it: batches handed over by the inbox with
+    tickets, dropped, then the poll of the release queue (an event recorded on the current stream) and the flush."""
+
+    def round_trip(n: int) -> tuple[str | None, list[int], list[int]]:
+        reader, theirs = _reader()
+        assert reader.ring is not None
+        cuda = FakeCuda(devices=1)
+        place = CudaPlacement(cuda, 0, moves=False)
+        place.adopt(reader.ring)
+        inbox = Inbox(place, [reader])
+        batches = [inbox.hand_over(reader, k) for k in range(DEPTH - 1)]
+        del batches[:2]
+
+        def step() -> None:
+            place.poll()
+            inbox.flush()
+
+        fired_in, _interrupted = _run_interrupted(n, step)
+        with contextlib.suppress(KeyboardInterrupt):
+            step()
+        freed = _freed(theirs)
+        assert 2 not in freed, f"signal at bytecode {n} ({fired_in}): a held batch's slot went back"
+        assert reader.held == 1 and place.pending == 0
+        batches.clear()
+        step()
+        freed += _freed(theirs)
+        place.close()
+        _close(reader, theirs)
+        return fired_in, freed, [0, 1, 2]
+
+    _every_bytecode(round_trip, least=700)  # 918 when written
 
 
 def test_a_signal_at_every_bytecode_of_the_release_queue_returns_each_slot_once() -> None:
@@ -175,7 +223,7 @@ def test_a_signal_at_every_bytecode_of_the_release_queue_returns_each_slot_once(
         _close(reader, _theirs)
         return fired_in, released, [0, 1, 2]
 
-    _every_bytecode(round_trip)
+    _every_bytecode(round_trip, least=300)  # 368 when written
 
 
 def test_the_slot_return_runs_only_inside_a_section() -> None:
