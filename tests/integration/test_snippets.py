@@ -18,6 +18,7 @@ rank train a model of its own, checkpoints and all, and every other check here p
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -177,6 +178,24 @@ def test_a_readme_training_script_runs_and_its_second_run_resumes(
     _check_resumed(*records, trained=FIRST, more=MORE, ahead=script.ahead)
     if name == "train_lightning.py":
         assert "Restored all states from the checkpoint" in outputs[1], outputs[1][-4000:]
+        _check_lightning_logs(tmp_path)
+
+
+def _check_lightning_logs(folder: Path) -> None:
+    """GigashuffleCallback's figures in the log Lightning writes by default, each run's steps after the last's: its
+    CSVLogger's ``metrics.csv`` (Lightning's default without tensorboard; with it, the events files go unread)."""
+    runs = sorted((folder / "lightning_logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
+    if not runs and list((folder / "lightning_logs").glob("version_*/events.out.tfevents.*")):
+        return
+    assert len(runs) == 2, f"one metrics.csv per run (a run that logged nothing writes none): {runs}"
+    last = -1
+    for run in runs:
+        rows = list(csv.DictReader(run.read_text().splitlines()))
+        logged = [row for row in rows if row.get("gigashuffle/wait_share")]
+        assert logged, f"no gigashuffle/wait_share in {run}: {rows[:3]}"
+        steps = [int(row["step"]) for row in logged]
+        assert min(steps) > last, f"{run}: steps {steps} after {last}"
+        last = max(steps)
 
 
 @pytest.mark.torchrun
