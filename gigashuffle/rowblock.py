@@ -43,6 +43,10 @@ class RowBlock:
         """Rows ``lo:hi`` (views)."""
         return RowBlock(self.layout_json, tuple(f[lo:hi] for f in self.fields)) if hi > lo else RowBlock()
 
+    def dealt(self, n: int) -> list[RowBlock]:
+        """``n`` contiguous shares of the rows (views), the first ``len % n`` one row longer (``share_bounds``)."""
+        return [self.span(lo, hi) for lo, hi in share_bounds(len(self), n)]
+
     @staticmethod
     def joined(blocks: Sequence[RowBlock]) -> RowBlock:
         """The rows of ``blocks`` one after the other (torch tensors); the empty ones are left out."""
@@ -123,6 +127,17 @@ class RowBlock:
                 f"{rows.get('crc32')!r}): the saved rows were altered or damaged; load an intact copy"
             )
         return block
+
+
+def share_bounds(count: int, n: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of ``n`` contiguous shares of ``count`` rows, the first ``count % n`` one row longer."""
+    size, extra = divmod(count, n)
+    bounds, lo = [], 0
+    for i in range(n):
+        hi = lo + size + (i < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
 
 
 def _tensor(field: Any) -> torch.Tensor:

@@ -32,14 +32,17 @@ Every answer names what it answers (``DatasetState.request``, ``Paused(cut)``, e
 answer to an earlier, aborted cut never counts for this one. A Ctrl-C is raised only where the cut waits: the cut is one
 blocking section (NOTE [ Ctrl-C ] in procs/interrupts.py), so its cleanup (every child resumed, the cut's state
 ended) runs whole whatever lands when, and the next ``state_dict()`` starts clean.
-On ``load_state_dict`` each rank's writer 0 puts that rank's saved rows back into the new buffer (published, not
-counted as its dataset's rows) before it reads its dataset on, and every writer reads on from its saved state and
-skip. So every row not handed to a trainer before ``state_dict()`` comes back once, in a new random order, and none
-handed before it comes back. Batches handed out before the call count as consumed, whether or not the step that
-took them finished, unless the caller passes them as ``state_dict(unconsumed=[...])`` (a prefetching loop): their
-rows are read back from the batches and saved after the cut's (checkpoint/unconsumed.py). Not for ``fill_once`` or
-``evict_on_read=False``, where a row may be delivered more than once: there each rank saves its writers' states
-(unpaused) and no row, and says so once per queue in a warning.
+On ``load_state_dict`` each rank's writers put that rank's saved rows back into the new buffer, a contiguous share
+each (``RowBlock.dealt``; published, not counted as their dataset's rows), before they read their datasets on from
+their saved states and skips. One writer putting them all back raced the others' fresh rows for empty slots alone:
+under load that writer could be off the CPU for seconds while the node went on delivering fresh rows, and a big
+checkpoint came back one writer's copy at a time. So every row not handed to a trainer before ``state_dict()`` comes
+back once, in a new random order, and none handed before it comes back. Batches handed out before the call count as
+consumed, whether or not the step that took them finished, unless the caller passes them as
+``state_dict(unconsumed=[...])`` (a prefetching loop): their rows are read back from the batches and saved after the
+cut's (checkpoint/unconsumed.py). Not for ``fill_once`` or ``evict_on_read=False``, where a row may be delivered
+more than once: there each rank saves its writers' states (unpaused) and no row, and says so once per queue in a
+warning.
 Figures (pause, size, resume) per workload in docs/benchmarks.md, from ``python -m gigashuffle.tools.bench.checkpoint``.
 The copy was most of the pause (at ``shuffle_size`` 1M tiny rows, 80 B: 14 ms of ~20 on a quiet 2-core VM, 39 ms
 of 41-60 with four CPU-bound processes beside the loader); from step 5 on it runs while the node delivers, and

@@ -10,7 +10,7 @@ writers in global writer order (rank by rank), with their skips, and returns one
 (``global_rank * num_writers + index``), every skip folded in (:class:`gigashuffle.sources.Sharded` does: NOTE
 [ Shard cursor ]). Every new rank computes the same re-split and keeps its own writers' states. The saved rows of all
 old ranks, in rank order, are cut into ``global_world_size`` contiguous shares; new rank ``r`` puts back share
-``r`` (its writer 0, as without a re-split), so each saved row comes back once in the job. A checkpoint by
+``r`` (dealt among its writers, as without a re-split), so each saved row comes back once in the job. A checkpoint by
 positions turns its writers' filters into saved rows and plain skips first (NOTE [ Positions across layouts ] in
 checkpoint/rereads.py). A dataset without
 ``reshard_states`` gets a ``CheckpointError`` naming both layouts and what it must offer; nothing is loaded.

@@ -150,8 +150,10 @@ def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, sta
     if len(rows):
         _check_layout(sup, config, rows.layout_json)
     entries = mine.get("positions") or [None] * config.num_writers
+    # Each writer puts a contiguous share of the saved rows back before it reads on (NOTE [ Checkpoint cut ]).
+    shares = rows.dealt(config.num_writers)
     rank_points = [
-        positions.point_of(state, skip, entry, rows if i == 0 else NO_ROWS)  # writer 0 puts the rows back
+        positions.point_of(state, skip, entry, shares[i])
         for i, (state, skip, entry) in enumerate(zip(mine["writers"], mine["skip"], entries, strict=True))
     ]
     points = resume.load(rank_points)

@@ -92,6 +92,7 @@ import numpy as np
 
 # The pure functions of the writer's side of the positions way are driven as they are (procs/positions.py).
 from gigashuffle.procs.positions import LANE_SHIFT, NO_ORIGIN, ROW_MASK, filtered_commits, folded
+from gigashuffle.rowblock import share_bounds
 from model import table as tm
 from model.table import Ids, ModelError, Row, Table
 
@@ -109,7 +110,7 @@ class Config(NamedTuple):
     bs: int = 2
     depth: int = 2  # ring slots per reader
     min_full: int = 2  # readers draw nothing below it; the first mix's share is ceil(min_full / node writers)
-    saved: int = 0  # a resumed run: rows writer 0 of each rank puts back first (rows of the pass)
+    saved: int = 0  # a resumed run: rows each rank's writers put back first, dealt (rows of the pass)
     kills: int = 1  # SIGKILLs per run, of any writer or reader, at any step
     interrupts: int = 1  # KeyboardInterrupts per run, at any step of a trainer's cut
     checkpoints: int = 1  # checkpoints each trainer takes (one more after each aborted cut)
@@ -286,12 +287,13 @@ def initial(cfg: Config) -> World:
     trainers = []
     everyone = tuple(r for rank in range(cfg.trainers) for r in saved_rows(cfg, rank))
     for rank in range(cfg.trainers):
-        # ResumePoints.load + set_positions (resumepoints.py): writer 0 puts back the rank's own saved rows
-        # (datasetstate.restore takes its own part); mutation (g) puts back every rank's.
+        # parts.restore: the rank's writers put back its own saved rows, a contiguous share each
+        # (RowBlock.dealt); mutation (g) puts back every rank's.
         saved = everyone if cfg.every_rank_saved else saved_rows(cfg, rank)
+        dealt = [saved[lo:hi] for lo, hi in share_bounds(len(saved), cfg.writers)]
         f = cfg.resumed_filter
         rp = tuple(
-            Resume(saved=saved if i == 0 else (), state=f[0] if f and i == 0 else 0, positions=f if i == 0 else None)
+            Resume(saved=dealt[i], state=f[0] if f and i == 0 else 0, positions=f if i == 0 else None)
             for i in range(cfg.writers)
         )
         t = Trainer(rank, states=(None,) * cfg.writers, rp=rp, cuts_left=cfg.checkpoints)
@@ -1076,8 +1078,8 @@ def _mix_timeout(cfg: Config, w: World) -> list[Move]:
 
 def check(cfg: Config, w: World) -> str | None:
     """Resume every rank's checkpoint and drain it: rows handed before each ``state_dict()``, plus each rank's
-    saved rows (writer 0 puts them back, cut.py:29-32), plus each writer's stream from its state after its skip,
-    must be the pass's rows, each once. None if so, else what is wrong."""
+    saved rows (dealt among the rank's writers, who put them back first: parts.restore), plus each writer's stream
+    from its state after its skip, must be the pass's rows, each once. None if so, else what is wrong."""
     want: Counter[Row] = Counter()
     got: Counter[Row] = Counter()
     for t in w.trainers:
