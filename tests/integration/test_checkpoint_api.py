@@ -170,3 +170,31 @@ def test_batches_handed_out_and_not_trained_on_come_back_after_a_resume(redis_ur
             assert not values & {int(i) for b in ahead for i in b[0]["id"] if int(i)}
     before = [int(i) for b in trained for i in b[0]["id"]]
     _resume_and_count(FiniteIds(ids, 20), cfg, state, before, ids)
+
+
+def test_every_writer_puts_back_its_share_of_the_saved_rows(redis_url: str) -> None:
+    """NOTE [ Checkpoint cut ]: a rank's saved rows are dealt to its writers, a contiguous share each, and each puts
+    its share back before it reads on (writer 0 putting all back raced the others' fresh rows alone). Each writer's
+    saved-rows lane in the slot table counts the rows it put back (NOTE [ Lanes ])."""
+    from gigashuffle.rowblock import share_bounds
+    from gigashuffle.shm.lanes import writer_lanes
+
+    cfg = _config(redis_url, "dealt", num_writers=2)
+    with MultiprocessShuffledDataloader(Counter(), cfg) as loader:
+        take(iter(loader), 5)
+        state = loader.state_dict()
+    count = state["rank0"]["rows"]["count"]
+    assert count >= 2, "the cut saved fewer than two rows: nothing to deal"
+    shares = [hi - lo for lo, hi in share_bounds(count, 2)]
+    saved_lanes = tuple(writer_lanes(0, i)[1] for i in range(2))
+    with MultiprocessShuffledDataloader(Counter(), cfg) as resumed:
+        resumed.load_state_dict(state)
+        batches = iter(resumed)
+
+        def put_back() -> tuple[int, ...] | None:
+            next(batches)  # readers make room for the rows put back
+            table = resumed._sup.table()
+            values = table.lane_values(saved_lanes) if table is not None else None
+            return values if values is not None and sum(values) == count else None
+
+        assert wait_for(put_back, "every saved row put back") == tuple(shares)
