@@ -28,7 +28,7 @@ from gigashuffle.control.client import connect
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
-from gigashuffle.procs.childenv import fetch_node_fds
+from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.shm import journal
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.journal import H_LENGTH

@@ -13,7 +13,7 @@ the buffer of another node, so on node ``n`` the designated writer is writer 0 o
 
 The first publication wins for the whole session (a respawned writer 0, which draws a fresh stream, does not
 change the dummy batch). If the designated writer's share of the data is empty (NOTE [ Empty shares ] in
-procs/writer.py) it publishes that fact instead, and the dummy batch falls back to the first row in the buffer's
+procs/chunks.py) it publishes that fact instead, and the dummy batch falls back to the first row in the buffer's
 metadata, with a log line saying so.
 """
 

@@ -1,32 +1,30 @@
-"""What every loader child shares: its spec, its Redis handle, and how it gets the node buffer and slot table.
+"""What every loader child shares: its Redis handle, and how it gets the node buffer and slot table.
 
-The loops themselves (``procs/writer.py``, ``procs/reader.py``) import this module, never the other way round; the entry
-point that picks one is ``procs/childmain.py``.
+What it is given is its ``ChildSpec`` (``procs/childspec.py``); what it does while it waits, ``procs/chores.py``. The
+loops themselves (``procs/writer.py``, ``procs/reader.py``) import these modules, never the other way round; the
+entry point that picks one is ``procs/childmain.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import socket
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gigashuffle.config import DataloaderConfig
 from gigashuffle.control import dummyrow
 from gigashuffle.control.client import connect
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 from gigashuffle.control.signedmeta import same_buffer, signed_meta, unsigned_fields, verified_layout
-from gigashuffle.errors import AttachError, GigashuffleError, QueueStateLostError
+from gigashuffle.errors import GigashuffleError, QueueStateLostError
 from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.host.secret import node_secret
-from gigashuffle.procs.attach import AttachServer, attach
+from gigashuffle.procs.attach import AttachServer
 from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.childspec import ChildSpec, proc_name, retitle
+from gigashuffle.procs.chores import Backoff
 from gigashuffle.procs.forgottenbuffer import (
     ServedBuffer,
     attach_info,
@@ -34,68 +32,12 @@ from gigashuffle.procs.forgottenbuffer import (
     find_served_buffer,
     trainer_of_this_child,
 )
-from gigashuffle.procs.messages import Role
-from gigashuffle.resumepoint import ResumePoint
+from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
-
-# How often a child returns slots of dead holders (the trainer does so at once for its own children).
-_REPAIR_PERIOD_S = 1.0
-# The fallback pass over every slot (NOTE [ Holder registry ] in shm/holders.py): rare, it holds the node lock.
-_SCAN_PERIOD_S = 600.0
-
-
-class _NoContext(enum.Enum):
-    # An enum member, not object(): it stays the same object after the spec is unpickled in the child.
-    UNSET = "no training context"
-
-
-NO_CONTEXT = _NoContext.UNSET  # "no context was given", which None (a valid context) cannot say
-
-
-@dataclass
-class ChildSpec:
-    """Everything a child needs, pickled by the trainer and unpickled in the child."""
-
-    role: Role
-    index: int
-    config: DataloaderConfig
-    redis_url: str
-    generation: str
-    runtime_dir: str
-    dataset: Any = None
-    context: Any = NO_CONTEXT  # the training context given so far (attach_training_context), if any
-    seed: int = 0  # the job's base seed (NOTE [ Seeds ] in procs/seeds.py)
-    start: int = 0  # how often the trainer started this writer before: a respawn draws a fresh stream
-    # NOTE [ Respawned writers ] and [ Restore before reading ] in procs/resume.py:
-    stateful: bool = False  # the dataset has state_dict/load_state_dict: track where commits are
-    go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
-    epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
-    point: ResumePoint = field(default_factory=ResumePoint)  # where a writer starts (gigashuffle/resumepoint.py)
-
-
-def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:
-    """The id under which a child is registered in Redis (its entry in the queue's ``procs`` hash)."""
-    return f"{global_rank}.{role[0]}{index}.{pid}"
-
-
-class Backoff:
-    """Sleeps that start near 0.5 ms and double up to ``cap_s``: idle waits stay cheap, busy ones short."""
-
-    def __init__(self, cap_s: float = 0.008, first_s: float = 0.0005) -> None:
-        self.cap_s = cap_s
-        self.first_s = first_s
-        self.next_s = first_s
-
-    def reset(self) -> None:
-        self.next_s = self.first_s
-
-    def sleep(self) -> None:
-        time.sleep(self.next_s)
-        self.next_s = min(self.next_s * 2, self.cap_s)
 
 
 class ChildEnv:
@@ -284,74 +226,3 @@ class ChildEnv:
                 resource.close()
         self.buffer = self.table = None
         self.client.close()
-
-
-def fetch_node_fds(
-    store: ControlPlane, queue: str, timeout_s: float, fallback: Callable[[], tuple[int, int] | None] | None = None
-) -> tuple[int, int]:
-    """The node buffer's memfd and its slot table's, from any process that serves them (the caller closes them).
-    ``fallback`` is asked after each round that Redis's list of processes did not answer (it may raise)."""
-    deadline = time.monotonic() + timeout_s
-    backoff = Backoff(cap_s=0.05)
-    errors: list[str] = []
-    while True:
-        fds = _fds_from_listed(store, errors)
-        if fds is None and fallback is not None:
-            fds = fallback()
-        if fds is not None:
-            return fds
-        if time.monotonic() > deadline:
-            raise AttachError(f"no process serves the buffer of {queue!r}: {errors[-3:]}")
-        backoff.sleep()
-
-
-def _fds_from_listed(store: ControlPlane, errors: list[str]) -> tuple[int, int] | None:
-    """One round through the processes Redis lists as serving the buffer."""
-    for info in store.processes().values():
-        path = info.get("attach")
-        if not path:
-            continue
-        try:
-            _info, fds = attach(path)
-        except AttachError as exc:
-            errors.append(str(exc))
-            continue
-        if len(fds) == 2:
-            return fds[0], fds[1]
-        for fd in fds:
-            os.close(fd)
-        errors.append(f"{path} sent {len(fds)} fds, not the buffer's and the slot table's")
-    return None
-
-
-class Housekeeping:
-    """What a child does about once a second, off the hot path: return the slots of dead holders (a /proc read per
-    holder, the lock only after a death), and every ``scan_s`` the fallback pass over the whole table. No Redis:
-    the trainers' heartbeats record the node's counts (NOTE [ Control plane ] in control/lua.py)."""
-
-    def __init__(self, env: ChildEnv, period_s: float = _REPAIR_PERIOD_S, scan_s: float = _SCAN_PERIOD_S) -> None:
-        self.env = env
-        self.period_s, self.scan_s = period_s, scan_s
-        self._due = time.monotonic() + period_s
-        self._scan_due = time.monotonic() + scan_s
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if now < self._due:
-            return
-        self._due = now + self.period_s
-        scan = now >= self._scan_due
-        if scan:
-            self._scan_due = now + self.scan_s
-        table = self.env.table
-        if table is not None and (repaired := table.repair(scan=scan)):
-            log.info("returned %d slots of dead processes", repaired)
-
-
-def retitle(suffix: str = "", title: str | None = None) -> None:
-    try:
-        import setproctitle
-    except ImportError:
-        log.debug("setproctitle is not installed")
-        return
-    setproctitle.setproctitle((title or setproctitle.getproctitle()) + suffix)

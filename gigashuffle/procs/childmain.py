@@ -14,7 +14,7 @@ import socket
 import traceback
 
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.childenv import ChildSpec, retitle
+from gigashuffle.procs.childspec import ChildSpec, retitle
 from gigashuffle.procs.messages import ChildError
 
 log = logging.getLogger(__name__)

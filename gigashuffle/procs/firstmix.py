@@ -13,7 +13,7 @@ no new signal: their check of ``min_full_slots`` is the check of the mix. The sl
 header, read without the lock) going above zero lifts the cap for good; it is above zero from the start in a writer
 respawned later or attached to a buffer that was read before.
 
-A writer whose share of the source is empty (more writers than shards: NOTE [ Empty shares ] in procs/writer.py)
+A writer whose share of the source is empty (more writers than shards: NOTE [ Empty shares ] in procs/chunks.py)
 never writes: as it starts to idle it says so in its entry of the node's process table in Redis (``empty_share``)
 and reports ``MixShare`` to its trainer, and a capped writer counts such writers node-wide (one Redis read per
 ``_EMPTY_POLL_S`` while it waits, none while it copies), so the others' shares grow to ``ceil(min_full_slots / (W -

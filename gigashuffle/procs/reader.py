@@ -35,7 +35,9 @@ import numpy as np
 
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.childenv import Backoff, ChildEnv, ChildSpec, Housekeeping
+from gigashuffle.procs.childenv import ChildEnv
+from gigashuffle.procs.childspec import ChildSpec
+from gigashuffle.procs.chores import Backoff, Housekeeping
 from gigashuffle.procs.messages import (
     BatchReady,
     FreeSlot,

@@ -11,7 +11,7 @@ Hugging Face ``IterableDataset`` and webdataset's default ``split_by_worker`` sp
 gives every writer of the job its own share. A source that is *also* split by node or rank
 (``datasets.distributed.split_dataset_by_node``, ``webdataset.split_by_node``) would be split twice and silently
 read ``1 / world_size`` of the data, so :class:`Chunked` refuses one. A source with fewer shards than the job has
-writers leaves some writers nothing; they idle (NOTE [ Empty shares ] in procs/writer.py), which is not an error.
+writers leaves some writers nothing; they idle (NOTE [ Empty shares ] in procs/chunks.py), which is not an error.
 """
 
 from __future__ import annotations

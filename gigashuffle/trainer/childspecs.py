@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
-from gigashuffle.procs.childenv import NO_CONTEXT, ChildSpec
+from gigashuffle.procs.childspec import NO_CONTEXT, ChildSpec
 from gigashuffle.procs.messages import Pause, Role
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.seeds import base_seed

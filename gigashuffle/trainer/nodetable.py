@@ -21,8 +21,8 @@ from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verifie
 from gigashuffle.errors import AttachError, GigashuffleError, NodeLockBusy
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import failpoints
-from gigashuffle.procs.childenv import fetch_node_fds
 from gigashuffle.procs.interrupts import critical
+from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.prefault import fault_in_for_read
 from gigashuffle.shm.slottable import SlotTable, table_nbytes

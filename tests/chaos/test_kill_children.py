@@ -183,6 +183,7 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
     from gigashuffle.control.session import NodeSession
     from gigashuffle.procs import childenv
     from gigashuffle.procs.channel import Channel
+    from gigashuffle.procs.childspec import ChildSpec
     from gigashuffle.schema import Layout
 
     rng = chaos.begin("owner seed race", "reader attaches while the PUBLISH_META loser still serves", seed, redis_url)
@@ -198,8 +199,8 @@ def test_seed_race_loser_never_hands_out_its_own_buffer(
     def child(role: str, index: int) -> childenv.ChildEnv:
         ours, theirs = Channel.pair()
         ends.extend((ours, theirs))
-        spec = childenv.ChildSpec(role=role, index=index, config=cfg, redis_url=redis_url,
-                                 generation=session.generation, runtime_dir=str(chaos.runtime_dir))  # fmt: skip
+        spec = ChildSpec(role=role, index=index, config=cfg, redis_url=redis_url,
+                         generation=session.generation, runtime_dir=str(chaos.runtime_dir))  # fmt: skip
         env = childenv.ChildEnv(spec, theirs)
         env.store.client.hdel(env.store.keys.procs, env.proc)
         env.proc = f"0.{role[0]}{index}.{next(numbers)}"

@@ -23,6 +23,7 @@ from gigashuffle.control.session import NodeSession
 from gigashuffle.control.signedmeta import verified_layout
 from gigashuffle.procs import childenv
 from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.childspec import ChildSpec
 from gigashuffle.procs.forgottenbuffer import ServedBuffer, find_served_buffer
 from gigashuffle.schema import Layout
 
@@ -40,8 +41,8 @@ class Children:
     def env(self, config: DataloaderConfig, generation: str) -> childenv.ChildEnv:
         ours, theirs = Channel.pair()
         self.ends += [ours, theirs]
-        spec = childenv.ChildSpec(role="writer", index=len(self.envs), config=config, redis_url=self.redis_url,
-                                 generation=generation, runtime_dir=str(self.runtime_dir))  # fmt: skip
+        spec = ChildSpec(role="writer", index=len(self.envs), config=config, redis_url=self.redis_url,
+                         generation=generation, runtime_dir=str(self.runtime_dir))  # fmt: skip
         env = childenv.ChildEnv(spec, theirs)
         self.envs.append(env)
         return env

@@ -8,7 +8,7 @@ open the window its mutation needs and asserts, with the window's markers, that 
   its cut until its own cut has asked it for its state, and the other rank reads only once rank 0 has arrived at
   a node barrier (its entry in the cut hash; the mutated rank 0 has listed by then): what it draws is listed and
   never overwritten, so a cut that did not wait saves it twice.
-* A writer answering from its chunk's start in the first-mix wait, positions way (procs/writer.py): harmless
+* A writer answering from its chunk's start in the first-mix wait, positions way (procs/writecycle.py): harmless
   without a filter (test_checkpoint_after_resume.py), but after a resume whose filter reaches into that chunk the
   rows found in the buffer repeat the filter's ``keep`` and the checkpoint cannot be loaded. Here writer 0 resumes
   with a filter that keeps every row of its pass, and the cut comes while it waits inside a chunk.

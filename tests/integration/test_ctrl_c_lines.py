@@ -25,6 +25,7 @@ from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm import buffer
 from gigashuffle.trainer.batches import Batches
+from gigashuffle.trainer.childmessages import ChildMessages
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -36,7 +37,7 @@ TRACED: set[CodeType] = {
     Inbox.flush.__code__,
     Inbox.free.__code__,
     Supervisor._drain.__code__,
-    Supervisor._on_message.__code__,
+    ChildMessages.on_message.__code__,
     DroppedBatches.due.__code__,
     Channel.recv_bytes.__code__,
     Channel.send_bytes.__code__,

@@ -137,8 +137,8 @@ def full_ids(t: Table) -> Ids:
 
 
 def write_rows(t: Table, pid: int, ids: Ids, rows: tuple[Row, ...], origins: tuple[int, ...] | None = None) -> Table:
-    """``SlotBuffer.write`` into slots the writer holds (procs/writer.py ``write``): the bytes change, the state not;
-    with ``origins``, ``Track.stamp`` too (the positions way; in the saved way the column is left as it was)."""
+    """``SlotBuffer.write`` into slots the writer holds (procs/writecycle.py ``write``): the bytes change, the state
+    not; with ``origins``, ``Track.stamp`` too (the positions way; in the saved way the column is left as it was)."""
     if t._held(pid, ids, WRITING) != ids:
         raise ModelError(f"writer {pid} copies into slots it does not hold: {ids}")
     row = list(t.row)
