@@ -151,7 +151,11 @@ class Supervisor:
         for child in live:
             if child.channel in readable:
                 self._drain(child)
-        self._handle_zygote_events()
+        # Only when the zygote said something: each section swaps SIGINT's handler twice (two sigaction calls), and
+        # events() reads nothing that select() did not see (the channel keeps no buffer of its own). A message that
+        # came after the select is read by the next pump, as one after the poll always was.
+        if self.zygote.channel in readable:
+            self._handle_zygote_events()
         if self.session.lost is not None and self.failure is None:
             self._rejoin(self.session.lost)
         self.raise_if_failed()
