@@ -9,13 +9,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gigashuffle.config import DataloaderConfig
-from gigashuffle.control.link import ControlLink
 from gigashuffle.host.rundir import attach_socket_path, remove_socket
 from gigashuffle.procs.messages import Go, Role, SetContext, SetEpoch, ToChild
 from gigashuffle.procs.pickling import dumps_by_value
 from gigashuffle.procs.zygoteclient import ChildProcess, Zygote
-from gigashuffle.trainer.childspecs import ChildSpecs, WriterStarts
+from gigashuffle.trainer.childspecs import ChildSpecs
 
 log = logging.getLogger(__name__)
 
@@ -23,22 +21,13 @@ log = logging.getLogger(__name__)
 class Children:
     """The supervisor's children: ``all`` is the supervisor's list (the inbox and the deaths read it too)."""
 
-    def __init__(
-        self,
-        config: DataloaderConfig,
-        dataset: Any,
-        link: ControlLink,
-        runtime_dir: str,
-        stateful: bool,
-        starts: WriterStarts,
-        children: list[ChildProcess],
-    ) -> None:
-        self.config = config
-        self.session = link.session
+    def __init__(self, specs: ChildSpecs, children: list[ChildProcess]) -> None:
+        self.config = specs.config
+        self.session = specs.session
         self.all = children
-        self._starts = starts
-        self.specs = ChildSpecs(config, dataset, link, runtime_dir, stateful, starts)
-        self._zygote_title = f"gigashuffle zygote {config.queue_name} rank={config.global_rank}"
+        self._starts = specs.starts
+        self.specs = specs
+        self._zygote_title = f"gigashuffle zygote {self.config.queue_name} rank={self.config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
 
     def start(self) -> None:

@@ -39,7 +39,7 @@ from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer import rejoin
 from gigashuffle.trainer.childmessages import ChildMessages
 from gigashuffle.trainer.children import Children
-from gigashuffle.trainer.childspecs import WriterStarts
+from gigashuffle.trainer.childspecs import ChildSpecs, WriterStarts
 from gigashuffle.trainer.deaths import DeathHandler, Deaths
 from gigashuffle.trainer.inbox import Inbox
 from gigashuffle.trainer.nodetable import TableView
@@ -84,7 +84,7 @@ class Supervisor:
         self.node_table = TableView(config, session, self.runtime_path, map_rows=copies)
         session.counts = self.node_table.counts
         self._messages = ChildMessages(config, self.inbox, placement.adopt, self.node_table)
-        self._children = Children(config, dataset, link, runtime_dir, stateful, starts, self.children)
+        self._children = Children(ChildSpecs(config, dataset, link, runtime_dir, stateful, starts), self.children)
         self._deaths = Deaths(config, session, self.node_table, self.inbox, self.runtime_path, stateful, self.children,
                               self._children.spawn)  # fmt: skip
         self.seed = self._children.specs.seed
