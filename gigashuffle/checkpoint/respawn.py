@@ -80,9 +80,10 @@ class ResumePoints:
         before this is called, so its ``Attached`` would have been seen.)"""
         w = self._writers[index]
         point = w.point
-        values = read_lanes(lanes) if w.counter is not None and lanes[0] >= 0 else None
+        has_lanes = w.counter is not None and lanes[0] >= 0
+        values = read_lanes(lanes) if has_lanes else None
         lost: CheckpointError | None = None
-        if w.counter is not None and lanes[0] >= 0 and values is None:
+        if has_lanes and values is None:
             lost = CheckpointError(
                 f"writer {index} died and the node's slot table cannot be read in this process, so where its "
                 "committed rows end is not known: a successor would repeat or skip rows. The loader stops; resume "
