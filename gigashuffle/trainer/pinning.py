@@ -62,72 +62,23 @@ from collections.abc import Callable
 import torch
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.schema import INDEX_KEY
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.trainer.cudaops import CudaOps, Event
-from gigashuffle.trainer.releases import AllOf, ReleaseQueue, Ticket
+from gigashuffle.trainer.devicecopies import DeviceCopies
+from gigashuffle.trainer.devices import _cuda_missing, own_gpu, resolve_device
+from gigashuffle.trainer.pinonly import PinOnlyEvents
+from gigashuffle.trainer.placement import Batch, Placement
+from gigashuffle.trainer.releases import ReleaseQueue
 
 log = logging.getLogger(__name__)
 
-Batch = list[dict[str, torch.Tensor]]
 # How long close() waits for copies out of the rings before it gives up and leaves them registered (NOTE).
 CLOSE_WAIT_S = 10.0
 # Ranges whose unregister failed: their mappings must outlive this process's use of them (see the NOTE).
 _STILL_REGISTERED: list[torch.Tensor] = []
 
 
-class _Done:
-    """The event of a ticket behind which no copy was enqueued (a copy that raised): released at the next poll."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class Placement:
-    """Where batches go: ``device=None`` or ``"cpu"`` without pinning hands out the ring's views as they are."""
-
-    tracks = False  # whether ring slots are released through a ReleaseQueue
-    moves = False  # whether batches are copied to a device (the caller then never holds ring memory)
-    # With ``moves``: seconds of the trainer's thread spent making device copies (guard, enqueue, event), and their
-    # count, for loader.metrics(). The DMA itself overlaps the compute already queued and is not waited for here.
-    h2d_s = 0.0
-    h2d_copies = 0
-
-    @property
-    def pending(self) -> int:
-        return 0
-
-    def adopt(self, ring: BatchRing) -> None:
-        """A reader's ring arrived (``RingReady``)."""
-
-    def deliver(self, ring: BatchRing, k: int, release: Callable[[], None]) -> Batch:
-        """Batch ``k`` of ``ring``; ``release`` returns its slot. If this raises, ``release`` has run or will (the
-        slot comes back once nothing can read it): the caller never returns the slot itself."""
-        return ring.batch(k, release)
-
-    def clone(self, batch: Batch) -> Batch:
-        """A copy of ``batch`` (ring views) in memory of the caller's own: the hand-over when the caller holds most
-        of a ring (``Inbox.hand_over``)."""
-        return [{key: t.clone() for key, t in group.items()} for group in batch]
-
-    def release_after(self, stream: object) -> None:
-        """Copies out of the batches may run on ``stream``: only pinned rings care (``CudaPlacement``)."""
-
-    def poll(self, wait: bool = False) -> int:
-        return 0
-
-    def place(self, batch: Batch) -> Batch:
-        """``batch`` (the caller's own memory, e.g. the dummy batch) where delivered batches go."""
-        return batch
-
-    def close(self) -> None:
-        """Release what is left; safe to call twice."""
-
-
-class CudaPlacement(Placement):
+class CudaPlacement(DeviceCopies, PinOnlyEvents):
     """Rings registered with CUDA; with ``moves``, batches copied to GPU ``index`` (NOTE [ GPU placement ]).
     ``index`` None: the current device when the first ring arrives (pin-only, see ``own_gpu``)."""
 
@@ -202,69 +153,6 @@ class CudaPlacement(Placement):
         self.h2d_copies += 1
         return batch
 
-    def _copy(self, ring: BatchRing, k: int, ticket: Ticket) -> Batch:
-        """The device copy of slot ``k``; ``ticket`` gets the event recorded after it."""
-        base = k * ring.slot_bytes
-        with self.cuda.guard(self.index):
-            copy_stream = self._stream()
-            # The consumer: the current stream of the device in the thread that called next() (NOTE [ GPU
-            # placement ]); it waits on the copy, and the allocator learns that it uses the block.
-            consumer = self.cuda.current_stream(self.index)
-            # The slot's fields are one block [0, index_offset): one DMA, then views of it on the device.
-            block = self.cuda.copy(ring.memory.view(base, ring.index_offset), self.index, copy_stream)
-            event = self.cuda.new_event()
-            self.cuda.record(event, copy_stream)
-            ticket.event = self._copied = event
-            self.cuda.wait_stream(consumer, copy_stream)
-            self.cuda.record_stream(block, consumer)
-        index = ring.memory.view(base + ring.index_offset, ring.bs * 8).view(torch.int64).clone()
-        return _views(ring, block, index)
-
-    def _fence(self) -> Event:
-        """An event after everything queued on the copy stream so far (a copy of a failed hand-over may be in it)."""
-        if self._copy_stream is None:
-            return _Done()  # no copy was ever queued
-        try:
-            with self.cuda.guard(self.index):
-                event = self.cuda.new_event()
-                self.cuda.record(event, self._copy_stream)
-            self._copied = event
-            return event
-        except Exception as exc:  # CUDA is failing: nothing more runs on the stream, a copy queued in it included
-            log.warning("could not record an event on the copy stream after a failed copy: %s", exc)
-            return _Done()
-
-    def _stream(self) -> object:
-        if self._copy_stream is None:
-            self._copy_stream = self.cuda.copy_stream(self.index)
-        return self._copy_stream
-
-    def release_after(self, stream: object) -> None:
-        """Pin-only: the caller copies out of batches on ``stream`` too (a prefetcher's side stream). The event each
-        dropped batch's slot waits on is then also recorded on it, after the drop, so a copy enqueued there before
-        the drop is covered without ordering it onto the current stream. For the loader's life; device mode needs
-        none (the caller never holds ring memory)."""
-        if self.moves or any(stream is s for s in self._side_streams):
-            return
-        self._side_streams.append(stream)
-
-    def _pin_only_event(self) -> Event | None:
-        events = []
-        for i in self._contexts():
-            with self.cuda.guard(i):
-                event = self.cuda.new_event()
-                self.cuda.record(event, self.cuda.current_stream(i))
-                events.append(event)
-        for stream in self._side_streams:
-            with self.cuda.guard(self.cuda.stream_device(stream)):
-                event = self.cuda.new_event()
-                self.cuda.record(event, stream)
-                events.append(event)
-        return AllOf(events) if events else None
-
-    def _contexts(self) -> list[int]:
-        return [i for i in range(self.cuda.device_count()) if self.cuda.has_context(i)]
-
     def poll(self, wait: bool = False) -> int:
         return self.releases.poll(wait)
 
@@ -282,16 +170,6 @@ class CudaPlacement(Placement):
                 self._warned.add("pinned clone")
                 log.warning("a batch handed out as a copy could not be pinned (%s); such copies stay pageable", exc)
             return super().clone(batch)
-
-    def place(self, batch: Batch) -> Batch:
-        if not self.moves:
-            return batch
-        with self.cuda.guard(self.index):
-            stream = self.cuda.current_stream(self.index)
-            return [
-                {key: t if key == INDEX_KEY else self.cuda.copy(t, self.index, stream) for key, t in group.items()}
-                for group in batch
-            ]
 
     def close(self) -> None:
         if self._closed:
@@ -351,56 +229,6 @@ class CudaPlacement(Placement):
             log.warning("could not unregister a reader ring from CUDA: %s", exc)
 
 
-def _views(ring: BatchRing, block: torch.Tensor, index: torch.Tensor) -> Batch:
-    """The batch of one slot's field bytes ``block`` (wherever it is), shaped like the dataset's chunks."""
-    bs = ring.bs
-    batch: Batch = [{} for _ in range(ring.layout.num_groups)]
-    for off, spec in zip(ring.field_offsets, ring.layout.fields, strict=True):
-        raw = block[off : off + bs * spec.row_bytes]
-        batch[spec.group][spec.key] = raw.view(spec.dtype).view(bs, *spec.shape)
-    batch[0][INDEX_KEY] = index
-    return batch
-
-
-def _cuda_missing(field: str, value: object, fix: str) -> ValueError:
-    why = (
-        "this torch is built without CUDA"
-        if torch.version.cuda is None
-        else "torch.cuda.is_available() is False (no GPU visible: check CUDA_VISIBLE_DEVICES and the driver)"
-    )
-    return ValueError(f"DataloaderConfig.{field}={value!r} needs CUDA, but {why} (torch {torch.__version__}); {fix}")
-
-
-def resolve_device(config: DataloaderConfig, cuda: CudaOps | None = None) -> torch.device | None:
-    """The device batches go to (None: they stay in the ring); ValueError if this machine lacks it. ``"cuda"`` is
-    the rank's own GPU (NOTE [ GPU placement ]), never the device current when the loader is built."""
-    if config.device is None:
-        return None
-    cuda = cuda or CudaOps()
-    device = torch.device(config.device)
-    if device.type == "cpu":
-        return device
-    if not cuda.is_available():
-        raise _cuda_missing(
-            "device", config.device, "install a CUDA build of torch and run on a GPU machine, or use device='cpu'"
-        )
-    count = cuda.device_count()
-    if device.index is None:
-        if (own := own_gpu(config.local_rank, count)) is not None:
-            return torch.device("cuda", own)
-        raise ValueError(
-            f"DataloaderConfig.device='cuda' is ambiguous: local_rank={config.local_rank} sees {count} GPUs; give "
-            "each rank one GPU (CUDA_VISIBLE_DEVICES) or name it: device='cuda:N' with N below that"
-        )
-    if device.index >= count:
-        raise ValueError(
-            f"DataloaderConfig.device={config.device!r} is invalid: this process sees {count} GPUs (after "
-            "CUDA_VISIBLE_DEVICES); use device='cuda' (the rank's own GPU: cuda:{local_rank}, or cuda:0 when each "
-            "rank sees one) or an index below that"
-        )
-    return device
-
-
 def placement(config: DataloaderConfig, cuda: CudaOps | None = None) -> Placement:
     """The placement ``config`` asks for, checked against this machine (ValueError naming the field if it lacks
     CUDA). Called before the loader starts anything; makes no CUDA context."""
@@ -420,9 +248,12 @@ def placement(config: DataloaderConfig, cuda: CudaOps | None = None) -> Placemen
     return Placement()
 
 
-def own_gpu(local_rank: int, count: int) -> int | None:
-    """The rank's own GPU among the ``count`` it sees: the only one (``CUDA_VISIBLE_DEVICES`` per rank), else
-    ``cuda:{local_rank}``; None when ``local_rank`` is past them (no answer)."""
-    if count == 1:
-        return 0
-    return local_rank if local_rank < count else None
+__all__ = [
+    "CLOSE_WAIT_S",
+    "Batch",
+    "CudaPlacement",
+    "Placement",
+    "own_gpu",
+    "placement",
+    "resolve_device",
+]
