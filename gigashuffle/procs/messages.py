@@ -23,7 +23,7 @@ class RingReady:
 
     nbytes: int
     layout_json: str
-    depth: int  # batches it holds (NOTE [ Ring depth ] in shm/buffer.py)
+    depth: int  # batches it holds (NOTE [ Ring depth ] in shm/ring.py)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ full (never delivered); killed between release and announcement, its batches are
 once: the release moves the reader's lane in the same journaled op (NOTE [ Lanes ] in shm/lanes.py; before lanes those
 batches were lost). The reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and
 cannot starve the rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring depth ] in
-shm/buffer.py).
+shm/ring.py).
 
 Up to four batches per draw: the lock, the trainer's wake-up and the announcement are paid once per draw, not
 per batch (today's figures and the measurement that chose four: docs/benchmarks.md).

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gigashuffle.schema import INDEX_KEY
-from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.ring import BatchRing
 from gigashuffle.trainer.cudaops import CudaOps, Event
 from gigashuffle.trainer.placement import Batch, Placement
 from gigashuffle.trainer.releases import Ticket

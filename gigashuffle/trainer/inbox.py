@@ -18,7 +18,7 @@ ring, once no batch of it is ready or held.
 
 NOTE [ Batched frees ]
 A delivered batch is a set of views into one slot ``k`` of its reader's ring; when the caller drops the last of
-them, the next ``buffer.reclaim()`` records ``(child, k)`` (NOTE [ Reclaimed ring slots ] in shm/buffer.py). The
+them, the next ``buffer.reclaim()`` records ``(child, k)`` (NOTE [ Reclaimed ring slots ] in shm/ring.py). The
 trainer thread drains that record: the child's ``held`` count falls at once (``Inbox.hand_over``'s copy fallback
 reads it), and ``k`` joins the child's unsent slots. Sending them is what costs: a ``FreeSlot`` is a send for the
 trainer and a wakeup and a receive for the reader, and one per batch was a tenth of the trainer's CPU on token
@@ -60,14 +60,14 @@ class DroppedBatches:
 
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
         """What returns ring slot ``k`` of ``child`` once its batch is gone, run by ``buffer.reclaim()`` inside a
-        section (NOTE [ Reclaimed ring slots ] in shm/buffer.py)."""
+        section (NOTE [ Reclaimed ring slots ] in shm/ring.py)."""
         return functools.partial(self._dropped.append, (child, k))
 
     def due(self, *, everything: bool) -> Iterator[tuple[ChildProcess, list[int]]]:
         """Drain the dropped batches; yield each reader's slots that are due to go back now (all of them, with
         ``everything``), in one list per reader. The caller runs the whole loop in one ``critical()`` section: a
         slot popped here and not yet sent is in no list."""
-        buffer.reclaim()  # batches whose views died since: NOTE [ Reclaimed ring slots ] in shm/buffer.py
+        buffer.reclaim()  # batches whose views died since: NOTE [ Reclaimed ring slots ] in shm/ring.py
         dropped = self._dropped
         while dropped:
             child, k = dropped.popleft()

@@ -62,7 +62,7 @@ from collections.abc import Callable
 import torch
 
 from gigashuffle.config import DataloaderConfig
-from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.ring import BatchRing
 from gigashuffle.trainer.cudaops import CudaOps, Event
 from gigashuffle.trainer.devicecopies import DeviceCopies
 from gigashuffle.trainer.devices import _cuda_missing, own_gpu, resolve_device

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.ring import BatchRing
 
 Batch = list[dict[str, torch.Tensor]]
 

@@ -13,7 +13,7 @@ from gigashuffle.trainer.cudaops import Event
 
 class Ticket:
     """One delivered ring slot: ``dropped`` runs once its CPU views are gone (from ``buffer.reclaim()``, in a
-    section: NOTE [ Reclaimed ring slots ] in shm/buffer.py) or, for a device copy, at once."""
+    section: NOTE [ Reclaimed ring slots ] in shm/ring.py) or, for a device copy, at once."""
 
     __slots__ = ("_dropped", "event", "release")
 

@@ -1,4 +1,4 @@
-"""A ring slot's return cannot be cut by a signal (NOTE [ Reclaimed ring slots ] in shm/buffer.py).
+"""A ring slot's return cannot be cut by a signal (NOTE [ Reclaimed ring slots ] in shm/ring.py).
 
 The death of a batch runs nothing of gigashuffle's; its slot goes back in ``buffer.reclaim()``, which the trainer
 runs inside ``critical()`` sections (NOTE [ Ctrl-C ] in procs/interrupts.py). A tracer calls SIGINT's handler, as a

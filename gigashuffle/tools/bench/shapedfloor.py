@@ -76,7 +76,7 @@ class _Shared:
 
 
 def ring_depth(workload: Workload) -> int:
-    """The ring depth the loader picks for this workload by default (NOTE [ Ring depth ] in shm/buffer.py)."""
+    """The ring depth the loader picks for this workload by default (NOTE [ Ring depth ] in shm/ring.py)."""
     return ring_depth_for(None, Layout.from_chunk([workload.make_chunk(1)]), workload.bs)
 
 
