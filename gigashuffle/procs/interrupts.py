@@ -1,5 +1,7 @@
-"""Ctrl-C in the training process: SIGINT deferred over the few statements that must not be cut in two. The one
-place in gigashuffle that touches SIGINT's handler (the node lock in shm/nodelock.py uses the sections below).
+"""Ctrl-C in the training process: SIGINT deferred over the few statements that must not be cut in two. With
+procs/sigint.py (the handler and its state), procs/interruptwaits.py (waits a Ctrl-C may end) and
+procs/interruptexit.py (the interpreter's exit), the one place in gigashuffle that touches SIGINT's handler (the
+node lock in shm/nodelock.py uses the sections below).
 
 NOTE [ Ctrl-C ]
 Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread, and a trainer that catches it
@@ -49,81 +51,23 @@ delivered: a non-daemon thread that never ends must not make the exit unstoppabl
 
 from __future__ import annotations
 
-import _signal
 import logging
-import os
-import signal
-import sys
-import threading
-import time
-from types import FrameType, TracebackType
-from typing import Any
+from types import TracebackType
+
+from gigashuffle.procs.interruptexit import install, set_exiting, uninstall
+from gigashuffle.procs.interruptwaits import begin_wait, end_wait, interrupt_point
+from gigashuffle.procs.sigint import (
+    _SIGINT,
+    _callers_frame,
+    _deliver,
+    _get_ident,
+    _getsignal,
+    _on_sigint,
+    _setsignal,
+    _state,
+)
 
 log = logging.getLogger(__name__)
-
-# While the exit waits for threads, a second Ctrl-C this long after the first is delivered.
-_INSIST_S = 1.0
-# _signal's, not signal's: the latter wrap handlers in enums (0.5 us a call), and these run per section.
-_getsignal, _setsignal, _SIGINT = _signal.getsignal, _signal.signal, int(signal.SIGINT)
-_get_ident = threading.get_ident
-
-
-class _State:
-    def __init__(self) -> None:
-        self.main = threading.main_thread().ident  # kept current across fork (below)
-        self.depth = 0  # open sections of the main thread
-        self.blocking = 0  # of which let a Ctrl-C end their waits
-        self.replaced: Any = None  # the handler the outermost section (or the exit) replaced with ours
-        self.pending: float | None = None  # time.monotonic() of the deferred interrupt, if one waits
-        self.waiting = False  # blocked in a system call at a wait point: the next Ctrl-C is delivered at once
-        self.users = 0  # open loaders
-        self.exiting = False
-        self.joining = False  # the exit waits for non-daemon threads (threading._shutdown), before the atexit hooks
-        self.hooked = False  # set_exiting registered with threading
-
-
-_state = _State()
-
-
-def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    """SIGINT's handler inside sections and at exit: records, and delivers only where NOTE [ Ctrl-C ] says."""
-    state = _state
-    if state.exiting:
-        now = time.monotonic()
-        if state.joining and state.pending is not None and now - state.pending >= _INSIST_S:
-            state.pending = None
-            _deliver(state.replaced, frame)
-            return
-        if state.joining and state.pending is None:
-            state.pending = now  # the first of the exit: the one that may insist
-        log.debug("Ctrl-C at interpreter exit: ignored, the loader's teardown goes on")
-        return
-    if state.waiting:
-        state.waiting = False  # one interrupt ends the wait; the cleanup after it runs deferred again
-        state.pending = None
-        _deliver(state.replaced, _callers_frame())
-        return
-    # Recorded at depth 0 too: between an outermost section's swaps and its count (a signal that ``signal.signal``
-    # handles before it puts the script's handler back, or one right after ours went in), where raising would leave
-    # ours installed outside any section. The section's end (that one, or the next) delivers it.
-    if state.pending is None:
-        state.pending = time.monotonic()
-
-
-def _deliver(handler: Any, frame: FrameType | None) -> None:
-    """Run the handler the section replaced, as the signal would have (``KeyboardInterrupt`` if there is none)."""
-    if callable(handler) and handler is not _on_sigint:
-        handler(_SIGINT, frame)
-    else:
-        raise KeyboardInterrupt
-
-
-def _callers_frame() -> FrameType | None:
-    """The innermost frame outside gigashuffle: where the script called the loader (what its handler is shown)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("gigashuffle."):
-        frame = frame.f_back
-    return frame
 
 
 def enter(blocking: bool = False) -> bool:
@@ -190,34 +134,6 @@ def in_section() -> bool:
     return _state.depth > 0 and _get_ident() == _state.main
 
 
-def _waits_may_end() -> bool:
-    state = _state
-    return state.depth == state.blocking and not state.exiting and _get_ident() == state.main
-
-
-def interrupt_point() -> None:
-    """Between two attempts of a wait: deliver a deferred interrupt now if every open section lets a Ctrl-C end its
-    waits (nothing is held here)."""
-    state = _state
-    if state.pending is not None and state.depth and _waits_may_end():
-        state.pending = None
-        _deliver(state.replaced, _callers_frame())
-
-
-def begin_wait() -> None:
-    """About to block in a system call that a signal interrupts (``flock``): a deferred interrupt is delivered now,
-    and one that comes while blocked is delivered at once, out of the call (when every open section allows it). The
-    caller's cleanup must run after ``end_wait()`` and be safe whether or not the call completed."""
-    if not _waits_may_end():
-        return
-    interrupt_point()
-    _state.waiting = True
-
-
-def end_wait() -> None:
-    _state.waiting = False
-
-
 class critical:
     """A section the main thread's SIGINT does not cut: NOTE [ Ctrl-C ]. ``blocking``: its waits end on Ctrl-C.
     ``deliver=False``: a deferred interrupt is not raised on leaving the outermost section (a finalizer, which must
@@ -253,78 +169,15 @@ class critical:
             _outermost_left(self._deliver, kind)
 
 
-def install() -> None:
-    """A loader opened: from now on the start of the interpreter's exit is noticed (``set_exiting``)."""
-    state = _state
-    state.users += 1
-    register = getattr(threading, "_register_atexit", None)  # runs at the start of threading._shutdown
-    if not state.hooked and register is not None:
-        try:
-            register(_exit_begins)
-            state.hooked = True
-        except RuntimeError:  # the exit began already
-            return
-        global _script_excepthook
-        _script_excepthook = sys.excepthook
-        sys.excepthook = _excepthook
-
-
-_script_excepthook: Any = sys.__excepthook__
-
-
-def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-    """An exception ended the script: its exit begins here, not at ``threading._shutdown`` (a Ctrl-C on the first
-    bytecodes of that function, before its hooks ran, printed "Exception ignored in: <module 'threading'>").
-    Only when the interpreter itself calls it (no Python caller: a library that calls ``sys.excepthook`` to log
-    an error goes on running) and not in an interactive session, which goes on after every error."""
-    if sys._getframe().f_back is None and not sys.flags.interactive and not hasattr(sys, "ps1"):
-        _exit_begins()
-    _script_excepthook(kind, value, tb)
-
-
-def uninstall() -> None:
-    """A loader closed (not at exit: NOTE [ Ctrl-C ])."""
-    state = _state
-    if state.users == 0 or state.exiting:
-        return
-    state.users -= 1
-    if state.users == 0 and state.pending is not None and state.depth == 0:
-        state.pending = None  # deferred in the last loader's teardown by a garbage collection
-        log.warning("a Ctrl-C during the teardown of a loader that was garbage-collected was not raised")
-
-
-def _exit_begins() -> None:
-    if _state.users:
-        set_exiting(joining=True)
-
-
-def set_exiting(joining: bool = False) -> None:
-    """The interpreter is exiting: SIGINT is ignored from now on (NOTE [ Ctrl-C ]). ``joining``: called while the
-    exit still waits for non-daemon threads (an insisting Ctrl-C is delivered there)."""
-    state = _state
-    state.joining = joining
-    if state.exiting:
-        return
-    state.exiting = True
-    state.pending = None
-    if _get_ident() != state.main or not state.users:  # no loader left to tear down: Ctrl-C is the script's
-        return
-    current = _getsignal(_SIGINT)
-    if callable(current) and current is not _on_sigint:
-        state.replaced = current
-        _setsignal(_SIGINT, _on_sigint)
-
-
-def _after_fork_in_child() -> None:
-    # The child's one thread is its main thread, and no section of the parent's is open in it.
-    state = _state
-    state.main = _get_ident()
-    state.depth = state.blocking = 0
-    state.pending = None
-    state.waiting = False
-    state.users = 0
-    if state.replaced is not None and not state.exiting and _getsignal(_SIGINT) is _on_sigint:
-        _setsignal(_SIGINT, state.replaced)  # forked inside a section: the child starts with the script's handler
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+__all__ = [
+    "begin_wait",
+    "critical",
+    "end_wait",
+    "enter",
+    "in_section",
+    "install",
+    "interrupt_point",
+    "leave",
+    "set_exiting",
+    "uninstall",
+]
