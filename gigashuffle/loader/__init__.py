@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,9 +17,11 @@ from gigashuffle.control import dummyrow
 from gigashuffle.control.client import Client
 from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.link import ControlLink
-from gigashuffle.errors import CheckpointError, GigashuffleError
+from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.rundir import remove_stale_sockets, runtime_dir
 from gigashuffle.host.secret import node_secret
+from gigashuffle.loader.checkpointing import CheckpointMethods
+from gigashuffle.loader.processes import ProcessMethods
 from gigashuffle.procs import interrupts
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.schema import Layout
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 _LOCK_PATIENCE_S = 30.0
 
 
-class MultiprocessShuffledDataloader:
+class MultiprocessShuffledDataloader(CheckpointMethods, ProcessMethods):
     """Iterate over shuffled batches drawn from the node-wide shared buffer.
 
     Batches are zero-copy views into this rank's reader rings: a ring slot is reused only after every tensor of
@@ -213,69 +214,6 @@ class MultiprocessShuffledDataloader:
         if not callable(getattr(self.dataset, "set_epoch", None)):
             return
         self._sup.set_epoch(epoch)
-
-    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
-        """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
-        and the rows read and not handed out (NOTE in checkpoint/parts.py). The dicts of all ranks merge with
-        ``dict.update``; a writer that is dead or being started again is waited for (up to a minute), never a
-        crash. ``unconsumed``: batches this loader handed out that the caller did not train on (a framework's
-        prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
-        self._check_open()
-        self._require_state_methods("state_dict")
-        return self._checkpoints.state_dict(unconsumed)
-
-    def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
-        """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
-        collective, so every rank must call it), for frameworks that save the loader's state from rank 0 only."""
-        mine = self.state_dict(unconsumed)
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return mine
-        parts: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, mine)
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return merged
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's writers from its part, ``state[f"rank{global_rank}"]``, of a checkpoint of the same
-        rank layout (merged or not). Called before the first batch, no row of the dataset is read before it (NOTE
-        [ Restore before reading ] in procs/resume.py)."""
-        self._check_open()
-        self._require_state_methods("load_state_dict")
-        self._checkpoints.load_state_dict(state)
-
-    def _require_state_methods(self, caller: str) -> None:
-        why = missing_state_methods(self.dataset)
-        if why is not None:
-            raise CheckpointError(
-                f"{caller}: the dataset {type(self.dataset).__name__} of queue {self.config.queue_name!r} cannot be "
-                f"checkpointed: {why}"
-            )
-
-    def child_pids(self, timeout_s: float = 120.0) -> dict[str, list[int]]:
-        """The pids of this loader's live processes by role (``zygote``, ``writer``, ``reader``). The zygote forks
-        the children after the constructor returns and reports their pids through the channel: this waits up to
-        ``timeout_s`` for every live child's pid, so the lists are complete right after construction too."""
-        self.wait_started(timeout_s)
-        sup = self._sup
-        found: dict[str, list[int]] = {"zygote": [sup.zygote.pid], "writer": [], "reader": []}
-        for child in sup.children:
-            if child.alive and child.pid is not None:
-                found[child.role].append(child.pid)
-        return found
-
-    def processes(self) -> dict[str, dict[str, Any]]:
-        """Every process of this queue on this node as registered in Redis (role, rank, pid, owner, attach)."""
-        return self._sup.session.store.processes()
-
-    def wait_started(self, timeout_s: float = 120.0) -> None:
-        """Block until every child has a pid (spawned by the zygote); mostly for tests and tools."""
-        deadline = time.monotonic() + timeout_s
-        while any(c.pid is None for c in self._sup.children if c.alive):
-            if time.monotonic() > deadline:
-                raise GigashuffleError(f"loader processes did not start within {timeout_s}s")
-            self._sup.pump()
 
     @property
     def batch_size(self) -> int:

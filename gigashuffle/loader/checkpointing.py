@@ -1,0 +1,64 @@
+"""The loader's checkpoint methods: what ``state_dict()`` and ``load_state_dict()`` go through (checkpoint/)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gigashuffle.checkpoint.checkpoints import Checkpoints
+from gigashuffle.config import DataloaderConfig
+from gigashuffle.errors import CheckpointError
+from gigashuffle.sources import missing_state_methods
+
+
+class CheckpointMethods:
+    """The part of ``MultiprocessShuffledDataloader`` that saves and restores it: its base, not a class of its own."""
+
+    config: DataloaderConfig
+    dataset: Any
+    _checkpoints: Checkpoints
+
+    if TYPE_CHECKING:
+
+        def _check_open(self) -> None: ...
+
+    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+        """This rank's checkpoint: ``{f"rank{global_rank}": {...}}`` with the dataset's state in each of its writers
+        and the rows read and not handed out (NOTE in checkpoint/parts.py). The dicts of all ranks merge with
+        ``dict.update``; a writer that is dead or being started again is waited for (up to a minute), never a
+        crash. ``unconsumed``: batches this loader handed out that the caller did not train on (a framework's
+        prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
+        self._check_open()
+        self._require_state_methods("state_dict")
+        return self._checkpoints.state_dict(unconsumed)
+
+    def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+        """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
+        collective, so every rank must call it), for frameworks that save the loader's state from rank 0 only."""
+        mine = self.state_dict(unconsumed)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return mine
+        parts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, mine)
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's writers from its part, ``state[f"rank{global_rank}"]``, of a checkpoint of the same
+        rank layout (merged or not). Called before the first batch, no row of the dataset is read before it (NOTE
+        [ Restore before reading ] in procs/resume.py)."""
+        self._check_open()
+        self._require_state_methods("load_state_dict")
+        self._checkpoints.load_state_dict(state)
+
+    def _require_state_methods(self, caller: str) -> None:
+        why = missing_state_methods(self.dataset)
+        if why is not None:
+            raise CheckpointError(
+                f"{caller}: the dataset {type(self.dataset).__name__} of queue {self.config.queue_name!r} cannot be "
+                f"checkpointed: {why}"
+            )
