@@ -31,89 +31,27 @@ import os
 import time
 from collections import deque
 
-import numpy as np
-
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.childspec import ChildSpec
 from gigashuffle.procs.chores import Backoff, Housekeeping
-from gigashuffle.procs.messages import (
-    BatchReady,
-    FreeSlot,
-    PassEnd,
-    Pause,
-    Paused,
-    Rejoin,
-    Resume,
-    RingReady,
-    StartPass,
-    ToChild,
-)
-from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
-from gigashuffle.shm.counters import (
-    R_AGE_N,
-    R_AGE_SUM,
-    R_BATCHES,
-    R_GATHER_S,
-    R_STARVED_S,
-    R_WRITERS_N,
-    R_WRITERS_SUM,
-    ChildCounters,
-    Every,
-)
+from gigashuffle.procs.fillonce import _serve_passes
+from gigashuffle.procs.messages import BatchReady
+from gigashuffle.procs.readerio import _IDLE_POLL_S, _gather, _open_ring, _pause, _pausing, _take_frees
+from gigashuffle.procs.readermetrics import _WRITERS_SAMPLED, _account_draw, _count_writers
+from gigashuffle.shm.buffer import BatchRing, SlotBuffer
+from gigashuffle.shm.counters import R_BATCHES, R_GATHER_S, R_STARVED_S, ChildCounters
 from gigashuffle.shm.lanes import NO_LANE, reader_lane
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5
 # A reader holds at most one in this many of the buffer's slots at once (NOTE [ Reader cycle ]).
 _HELD_ONE_IN = 8
 # A draw is all in one stripe (NOTE [ Stripes ] in shm/stripes.py), chosen among those with as many full slots: it
 # takes at most one in this many of a stripe's slots, so that a stripe is rarely short of them.
 _STRIPE_ONE_IN = 4
-
-
-def _open_ring(env: ChildEnv, counters: ChildCounters) -> tuple[SlotBuffer, SlotTable, BatchRing]:
-    layout = env.attach_buffer()
-    if env.buffer is None or env.table is None:
-        raise AssertionError("reader has no buffer after attach")
-    if env.table.slots != env.buffer.slots:  # _gather relies on it: every id the table hands out is a row
-        raise AssertionError(f"slot table of {env.table.slots} slots for a buffer of {env.buffer.slots}")
-    ring = BatchRing(layout, env.config.bs, ring_depth_for(env.config.ring_depth, layout, env.config.bs))
-    fd, counters_fd = ring.memory.fd, counters.memory.fd
-    if fd is None or counters_fd is None:
-        raise AssertionError("a new ring or counters page has no fd")
-    # The counters' fd travels with the ring's: NOTE [ Child counters ] in shm/counters.py.
-    env.channel.send(RingReady(ring.nbytes, layout.to_json(), ring.depth), (fd, counters_fd))
-    ring.memory.close_fd()
-    counters.memory.close_fd()
-    return env.buffer, env.table, ring
-
-
-def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, versions: Versions) -> None:
-    fields, index, kept_versions = ring.targets(k)
-    buffer.gather(slots, fields, ids_in_range=True)  # drawn from the table, which _open_ring matched to the buffer
-    index[:] = slots
-    kept_versions[:] = versions
-
-
-def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
-    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first) and apply a ``Rejoin``; return any
-    other messages."""
-    others: list[ToChild] = []
-    timeout = block_s
-    while env.channel.poll(timeout):
-        message, _ = env.channel.recv()
-        if isinstance(message, FreeSlot):
-            free.extend(message.ks)
-        elif isinstance(message, Rejoin):
-            env.rejoin(message.generation)
-        else:
-            others.append(message)
-        timeout = 0
-    return others
 
 
 def run(spec: ChildSpec, channel: Channel) -> None:
@@ -127,21 +65,6 @@ def run(spec: ChildSpec, channel: Channel) -> None:
             _stream(env, buffer, table, ring, counters)
     finally:
         env.close()
-
-
-_AGES_SAMPLED = Every()  # draws whose rows' ages are added (SAMPLE_EVERY in shm/counters.py)
-_WRITERS_SAMPLED = Every()  # draws whose first batch's writers are counted
-
-
-def _account_draw(counters: ChildCounters, table: SlotTable, versions: Versions | None) -> None:
-    """Per draw attempt (never per row): the buffer's fill and, for drawn rows on a sampled draw
-    (``SAMPLE_EVERY`` in shm/counters.py), their age in rows written since."""
-    full, clock = table.full_and_clock()
-    counters.sample_fill(full)
-    if versions is not None and len(versions) and _AGES_SAMPLED():
-        words = counters.words
-        words[R_AGE_SUM] += clock * len(versions) - int(versions.sum())
-        words[R_AGE_N] += len(versions)
 
 
 def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing, counters: ChildCounters) -> None:
@@ -244,40 +167,6 @@ class _Lane:
                 ring.seq[k] = self.released + i + 1
 
 
-def _count_writers(table: SlotTable, batch: SlotIds, words: memoryview[float]) -> None:
-    """The distinct writers of one batch of a sampled draw (its first: the draw is uniform, so it is a fair
-    sample) for ``loader.metrics()``; read before the release, while no writer can take these slots (about 2 us
-    for 64 rows, 5 for 1,024)."""
-    if len(batch):
-        writers = table.writer.take(batch)
-        writers.sort()
-        words[R_WRITERS_SUM] += 1 + int(np.count_nonzero(writers[1:] != writers[:-1]))
-        words[R_WRITERS_N] += 1
-
-
-def _pausing(messages: list[ToChild]) -> int | None:
-    """The cut number of the last of the cut's messages among ``messages`` if it is a ``Pause`` (a Resume may
-    follow at once), else None."""
-    cut = [m for m in messages if isinstance(m, (Pause, Resume))]
-    return cut[-1].cut if cut and isinstance(cut[-1], Pause) else None
-
-
-def _pause(env: ChildEnv, free: deque[int], cut: int) -> None:
-    """A checkpoint's cut (NOTE [ Checkpoint cut ] in checkpoint/cut.py): every batch drawn is announced; say so and
-    draw nothing until ``Resume``."""
-    env.channel.send(Paused(cut))
-    paused = True
-    while paused:
-        # A reader slow to read its channel (two cores, busy) may find a Resume and the next cut's Pause together:
-        # that Pause needs its own Paused, or the next cut waits for this reader until it times out.
-        for message in _take_frees(env, free, _IDLE_POLL_S):
-            if isinstance(message, Resume):
-                paused = False
-            elif isinstance(message, Pause):
-                env.channel.send(Paused(message.cut))
-                paused = True
-
-
 def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int) -> tuple[SlotIds, Versions] | None:
     """Slots for ``batches`` batches, or for one when too few are full for that many; None when none can be drawn."""
     for count in (batches, 1) if batches > 1 else (1,):
@@ -285,29 +174,3 @@ def draw_batches(table: SlotTable, me: int, bs: int, batches: int, min_full: int
         if len(slots):
             return slots, versions
     return None
-
-
-def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing) -> None:
-    cfg = env.config
-    backoff = Backoff(cap_s=0.05)
-    chores = Housekeeping(env)
-    while table.counts()[2].full < cfg.shuffle_size:  # the header's count: a poll that takes no lock
-        chores.tick()
-        backoff.sleep()
-    per_rank = cfg.shuffle_size // cfg.local_world_size
-    first = cfg.local_rank * per_rank
-    order = np.arange(first, first + per_rank, dtype=np.intp)
-    batches = per_rank // cfg.bs
-    free: deque[int] = deque(range(ring.depth))
-    while True:
-        for message in _take_frees(env, free, _IDLE_POLL_S):
-            if not isinstance(message, StartPass):
-                continue
-            for b in range(batches):
-                while not free:
-                    _take_frees(env, free, _IDLE_POLL_S)
-                k = free.popleft()
-                ids = order[b * cfg.bs : (b + 1) * cfg.bs]
-                _gather(buffer, ring, k, ids, table.version[ids])
-                env.channel.send(BatchReady((k,)))
-            env.channel.send(PassEnd(message.number))
