@@ -1,5 +1,6 @@
-"""The slot table's memory: its layout in the memfd, the views over it, the node lock around a transition, and the
-readings of its header that take no lock (the transitions are in shm/slottable.py: NOTE [ Slot table ] there).
+"""The slot table's memory: its layout in the memfd, the views over it, the node lock around a transition, and
+``counts()``, which ``stats()`` reads under every lock (the other readings are in shm/tablereadings.py, the
+transitions in shm/slottable.py: NOTE [ Slot table ] there).
 
 Layout: stripe 0's header, which is also the table's (magic, slots, stripes, pid namespace; counts, clock, lock
 figures, journal: shm/journal.py), the wide journal's header and counts, the headers of stripes 1 to S-1 (NOTE
@@ -23,21 +24,17 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from gigashuffle.errors import AttachError, NodeLockBusy
+from gigashuffle.errors import AttachError
 from gigashuffle.host.pids import pid_namespace
 from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.holders import REGISTRY_BYTES, HolderRegistry
 from gigashuffle.shm.journal import (
-    H_CLOCK,
     H_EMPTY,
     H_FULL,
-    H_HELD_NS,
-    H_HOLDS,
     H_LENGTH,
     H_MAGIC,
     H_OWNER,
@@ -56,31 +53,11 @@ from gigashuffle.shm.lanes import LANES
 from gigashuffle.shm.nodelock import NodeLock
 from gigashuffle.shm.picker import SlotPicker
 from gigashuffle.shm.stripes import Stripe, WidePending, default_stripes
+from gigashuffle.shm.tablereadings import ShuffleBufferStats, TableReadings
 
 Versions = npt.NDArray[np.int64]
 
 _MAGIC = 0x67735F736C6F7461  # "gs_slota": striped
-
-
-@dataclass(frozen=True)
-class LockUsage:
-    """How much a node's slot-table locks have been held since its buffer was created: compare two readings over a
-    wall-clock interval to see what share of the node's time its transitions took (NOTE [ Node lock budget ] in
-    shm/slottable.py). ``held_s`` and ``holds`` total every stripe's lock; ``stripes_held_s`` is each stripe's
-    (NOTE [ Stripes ] in shm/stripes.py): the busiest one bounds the node."""
-
-    held_s: float
-    holds: int
-    stripes_held_s: tuple[float, ...] = field(default=(), compare=False)
-
-
-@dataclass(frozen=True)
-class ShuffleBufferStats:
-    """Slot counts of a node's buffer: ``full + empty + in_flight == shuffle_size`` once it is allocated."""
-
-    full: int
-    empty: int
-    in_flight: int
 
 
 def table_nbytes(slots: int, stripes: int | None = None) -> int:
@@ -89,7 +66,7 @@ def table_nbytes(slots: int, stripes: int | None = None) -> int:
     return HEADER_BYTES * s + WIDE_BYTES + REGISTRY_BYTES + 8 * LANES * s + slots * per_slot + 64
 
 
-class SlotMap:
+class SlotMap(TableReadings):
     """A slot table's memory: ``memory=None`` creates it (every slot empty) with ``stripes`` stripes (None:
     ``default_stripes(slots)``; the memory's size says how many, see ``table_nbytes``); else it maps ``memory`` and
     checks that it is a table of ``slots`` slots made in this pid namespace. The transitions are ``SlotTable``'s."""
@@ -164,13 +141,6 @@ class SlotMap:
     def fd(self) -> int | None:
         return self.memory.fd
 
-    @property
-    def lanes(self) -> npt.NDArray[np.int64]:
-        """Every lane's value (NOTE [ Lanes ] in shm/lanes.py): the sum of its cells over the stripes, read without
-        the locks (each cell was true at some moment; ``lane_values`` reads them under every lock)."""
-        lanes: npt.NDArray[np.int64] = self._lanes[0] if self.stripes == 1 else self._lanes.sum(axis=0)
-        return lanes
-
     # -- locking and the journals ----------------------------------------------------------------------------
     def _take(self, stripe: Stripe, wait_s: float | None = None) -> None:
         """Take one stripe's lock; if a wide op's holder died inside it, roll that forward under every lock first
@@ -242,41 +212,6 @@ class SlotMap:
             yield
         finally:
             self._release_all()
-
-    def lane_values(self, lanes: tuple[int, ...], wait_s: float | None = None) -> tuple[int, ...]:
-        """The values of ``lanes`` (NOTE [ Lanes ] in shm/lanes.py) once any op a dead process was inside is rolled
-        forward: the sums of their cells over the stripes, read under every lock. With ``wait_s``, a lock held that
-        long (a stopped holder, which rolled forward when it took the lock) is read around, and the values are
-        still final: only a process inside an op moves a lane, and that is the stopped holder, which is not the
-        dead process asked about."""
-        try:
-            self._acquire_all(wait_s)
-        except NodeLockBusy:
-            return tuple(int(self._lanes[:, lane].sum()) for lane in lanes)
-        try:
-            return tuple(int(self._lanes[:, lane].sum()) for lane in lanes)
-        finally:
-            self._release_all()
-
-    def lock_usage(self) -> LockUsage:
-        """The stripes' locks' total hold time and number of holds, and each stripe's time, without the locks."""
-        held = tuple(int(stripe.words[H_HELD_NS]) / 1e9 for stripe in self._stripes)
-        return LockUsage(sum(held), sum(int(stripe.words[H_HOLDS]) for stripe in self._stripes), held)
-
-    def full_and_clock(self) -> tuple[int, int]:
-        """The full-slot count and the version clock (the sum of the stripes' clocks: about the last version
-        handed out, NOTE [ Stripes ]), from the headers without the locks: a reader's metrics sample (NOTE
-        [ Child counters ] in shm/counters.py)."""
-        stripes = self._stripes
-        return sum(s.words[H_FULL] for s in stripes), sum(s.words[H_CLOCK] for s in stripes)
-
-    def lock_holder(self) -> int | None:
-        """The pid holding a stripe's lock now (the first such stripe's), or None."""
-        for stripe in self._stripes:
-            holder = stripe.lock.holder()
-            if holder is not None:
-                return holder
-        return None
 
     def counts(self) -> tuple[int, int, ShuffleBufferStats]:
         """Rows written and read, and the slot counts, read from the headers without the locks, so this never waits

@@ -85,8 +85,9 @@ from gigashuffle.shm.journal import (
 from gigashuffle.shm.lanes import NO_LANE
 from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, WRITING, SlotIds
 from gigashuffle.shm.readops import ReadOps
-from gigashuffle.shm.slotmap import LockUsage, ShuffleBufferStats, Versions, table_nbytes
+from gigashuffle.shm.slotmap import Versions, table_nbytes
 from gigashuffle.shm.stripes import Stripe
+from gigashuffle.shm.tablereadings import LockUsage, ShuffleBufferStats
 
 __all__ = [
     "EMPTY", "FULL", "READING", "READING_EVICT", "WRITING", "LockUsage",

@@ -10,8 +10,9 @@ from gigashuffle.host.pids import process_start
 from gigashuffle.shm.holders import REGISTRY_ROWS
 from gigashuffle.shm.journal import H_EMPTY, OP_DRAW, OP_EVICT, OP_RELEASE_EVICT, OP_RELEASE_KEEP, OP_REPAIR
 from gigashuffle.shm.picker import EMPTY, FULL, NO_IDS, READING, READING_EVICT, SlotIds, States
-from gigashuffle.shm.slotmap import ShuffleBufferStats, SlotMap
+from gigashuffle.shm.slotmap import SlotMap
 from gigashuffle.shm.stripes import Stripe, choose
+from gigashuffle.shm.tablereadings import ShuffleBufferStats
 
 
 class WideOps(SlotMap):
