@@ -81,23 +81,28 @@ class Batches:
 
     def one_pass(self) -> Iterator[Any]:
         sup, inbox = self._sup, self._inbox
-        inbox.abandon_pass(sup.pump)  # the rest of a pass the caller abandoned: the next starts at its first batch
-        reader = self.wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
-        inbox.open_pass(reader)
+        with sup.turn:  # one thread at a time in the trainer-side state (Supervisor.pump()), never across a yield
+            inbox.abandon_pass(sup.pump)  # the rest of a pass the caller abandoned: the next starts at its first batch
+            reader = self.wait_for(lambda: sup.readers()[0] if sup.readers() else None, "the reader to start")
+            inbox.open_pass(reader)
         while True:
-            while not inbox.ready and not inbox.pass_over:
-                self._show_filling()
-                self._pump()
-            self._filled()
-            if inbox.ready:
+            with sup.turn:
+                while not inbox.ready and not inbox.pass_over:
+                    self._show_filling()
+                    self._pump()
+                self._filled()
+                if not inbox.ready:
+                    inbox.close_pass()
+                    return
                 with critical():
                     batch = self.deliver(*inbox.pop())
-                yield batch
-            else:
-                inbox.close_pass()
-                return
+            yield batch
 
     def next_batch(self) -> Any:
+        with self._sup.turn:  # one thread at a time in the trainer-side state: see Supervisor.pump()
+            return self._next_batch()
+
+    def _next_batch(self) -> Any:
         sup, inbox = self._sup, self._inbox
         self.check_open()
         sup.say_go()

@@ -75,7 +75,9 @@ class Supervisor:
         self.children: list[ChildProcess] = []
         self.inbox = Inbox(placement, self.children)  # the ring slots of this rank's readers
         self._close_handlers: list[Callable[[], None]] = []
-        self._pumping = threading.RLock()  # see pump()
+        # The trainer-side state (the inbox, the children, the channels) has one thread at a time: pump() and
+        # Batches.next_batch() hold this for their whole run (see pump()).
+        self.turn = threading.RLock()
         self.failure: BaseException | None = None
         self._closed = False
         # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
@@ -136,11 +138,13 @@ class Supervisor:
     def pump(self, timeout: float = _PUMP_S) -> None:
         """Handle whatever the zygote and the children sent, waiting up to ``timeout`` for the first message.
 
-        One thread at a time: a loader used from two threads (a training loop, and a monitor calling
-        ``child_pids()``, which pumps until a respawned child's pid is known) would otherwise read one channel from
-        both, one thread taking a message's header and the other its payload as the next header, and both then
-        wait for bytes that never come (seen as a 60 s hang right after a respawn in the chaos tests)."""
-        with self._pumping:
+        One thread at a time, and never beside a thread inside ``next()``: a loader used from two threads (a training
+        loop, and a monitor calling ``child_pids()``, which pumps until a respawned child's pid is known) read one
+        channel from both (one thread took a message's header and the other its payload as the next header: a 60 s
+        hang right after a respawn in the chaos tests), and, with only the pump locked, flushed one reader's unsent
+        ring slots from both (a KeyError in ``DroppedBatches.due``, or a slot appended to a list the other thread
+        had just sent: lost for good, and the reader starved). ``self.turn`` covers both."""
+        with self.turn:
             self._pump(timeout)
 
     def _pump(self, timeout: float) -> None:

@@ -1,0 +1,143 @@
+"""A loader used from two threads: a training loop in ``next()`` and a monitor beside it.
+
+``child_pids()`` pumps the supervisor until a respawned child's pid is known, and the chaos tests' killer calls it
+from a second thread while the main thread trains. With only the pump locked, the monitor's pump flushed one
+reader's unsent ring slots while the loop's ``next()`` flushed them too: a ``KeyError`` in
+``DroppedBatches.due``, or a slot appended to a list the other thread had just sent, which is lost for good, and
+after ``ring_depth`` such losses the reader is starved and ``next()`` waits forever (a CI run's 60 s hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from datasets import GatedUniqueIds, UniqueIds, check_unique_batch
+
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+
+BATCHES = 2000
+MONITORS = 1
+LIMIT_S = 120.0  # the loop's whole run; a starved reader would leave next() waiting without end
+
+
+class TimedOut(BaseException):
+    """The loop ran past ``LIMIT_S`` (a BaseException, so no ``except Exception`` in the loader eats it)."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    def on_alarm(_signum: int, _frame: Any) -> None:
+        raise TimedOut(f"the training loop did not take {BATCHES} batches within {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_monitor_thread_that_pumps_beside_next_loses_no_ring_slot(redis_url: str) -> None:
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"threads-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=2, ring_depth=2, redis_url=redis_url)  # fmt: skip
+    stop = threading.Event()
+    pumps = [0]
+    errors: list[BaseException] = []  # a monitor's exception, carried home
+    with MultiprocessShuffledDataloader(UniqueIds(), cfg) as loader:
+        loader.child_pids()
+
+        def monitor() -> None:
+            # What child_pids() runs while a respawned child's pid is unknown, back to back (the private pump: the
+            # public call pumps only in that window), and the figures a monitoring thread reads.
+            try:
+                while not stop.is_set():
+                    loader._sup.pump(0.0)
+                    loader.metrics(0.0)
+                    pumps[0] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=monitor, name=f"monitor-{n}", daemon=True) for n in range(MONITORS)]
+        seen: set[int] = set()
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)  # the threads take turns every 10 us, not 5 ms: the windows get hit
+        for thread in threads:
+            thread.start()
+        try:
+            with _alarm(LIMIT_S):
+                it = iter(loader)
+                for _ in range(BATCHES):
+                    ids = check_unique_batch(next(it), cfg.bs, cfg.shuffle_size)
+                    assert seen.isdisjoint(ids), f"ids handed out twice: {sorted(seen.intersection(ids))[:8]}"
+                    seen.update(ids)
+                    if errors:
+                        break
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30.0)
+            sys.setswitchinterval(switch)
+        assert not any(thread.is_alive() for thread in threads), "a monitor thread did not stop within 30 s"
+        assert not errors, f"a monitor thread failed: {errors[0]!r}"
+        assert pumps[0] > 0, "the monitor never pumped: the test checked nothing"
+        assert len(seen) == BATCHES * cfg.bs
+
+
+def _held_elsewhere(lock: Any) -> bool:
+    """Whether another thread holds ``lock`` now."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    return True
+
+
+def test_a_pump_from_another_thread_waits_while_next_waits(redis_url: str, tmp_path: Path) -> None:
+    """The lock's boundary, without a race to hit: the loop waits inside ``next()`` (the source gives one chunk, the
+    readers need 32 full slots), and a monitor's pump (what ``child_pids()`` runs while a respawned child's pid is
+    unknown) does not run until that ``next()`` has returned. A lock on the pump alone let it run between two of
+    the loop's own pumps, beside the loop's flush and hand-over."""
+    allowed = tmp_path / "allowed"
+    allowed.write_text("1")
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"threads-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=1, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(GatedUniqueIds(str(allowed)), cfg) as loader:
+        loader.child_pids()
+        it = iter(loader)
+        order: list[str] = []
+        in_next = threading.Event()
+        pumped = threading.Event()
+
+        def loop() -> None:
+            in_next.set()
+            next(it)
+            order.append("next returned")
+
+        def monitor() -> None:
+            loader._sup.pump(0.0)
+            order.append("monitor pumped")
+            pumped.set()
+
+        trainer = threading.Thread(target=loop, name="loop", daemon=True)
+        trainer.start()
+        assert in_next.wait(LIMIT_S)
+        # next() takes the turn before its first pump; its wait then lasts until the gate opens, far past this poll.
+        deadline = time.monotonic() + LIMIT_S
+        while not _held_elsewhere(loader._sup.turn):
+            assert time.monotonic() < deadline, "next() never took the trainer's turn"
+            time.sleep(0.01)
+        watcher = threading.Thread(target=monitor, name="monitor", daemon=True)
+        watcher.start()
+        assert not pumped.wait(1.0), "the monitor pumped while the loop was inside next()"
+        allowed.write_text("1000000")  # the source goes on: the buffer fills, next() returns, then the monitor pumps
+        trainer.join(LIMIT_S)
+        watcher.join(LIMIT_S)
+        assert order == ["next returned", "monitor pumped"], order
