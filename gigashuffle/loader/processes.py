@@ -8,6 +8,8 @@ from typing import Any
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.trainer.supervisor import Supervisor
 
+_TURN_POLL_S = 0.05  # how long child_pids() waits for the turn before it looks at the pids again
+
 
 class ProcessMethods:
     """The part of ``MultiprocessShuffledDataloader`` that lists its processes: its base, not a class of its own."""
@@ -32,8 +34,15 @@ class ProcessMethods:
 
     def wait_started(self, timeout_s: float = 120.0) -> None:
         """Block until every child has a pid (spawned by the zygote); mostly for tests and tools."""
+        sup = self._sup
         deadline = time.monotonic() + timeout_s
-        while any(c.pid is None for c in self._sup.children if c.alive):
+        while any(c.pid is None for c in sup.children if c.alive):
             if time.monotonic() > deadline:
                 raise GigashuffleError(f"loader processes did not start within {timeout_s}s")
-            self._sup.pump()
+            # Another thread inside next() holds the turn and pumps: the pids come through it. Waiting for its turn
+            # outright would wait for its batch, which may need the caller (a test's gate) first.
+            if sup.turn.acquire(timeout=_TURN_POLL_S):
+                try:
+                    sup.pump()
+                finally:
+                    sup.turn.release()
