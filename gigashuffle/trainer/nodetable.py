@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class TableView:
         self._session = session
         self._secret = node_secret(runtime_path)
         self._table: SlotTable | None = None
+        self._mapping = threading.Lock()  # a monitor thread's metrics() and the loop may both map it first
         # Mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ]): with ``map_rows`` (the rank that copies
         # the buffer at a checkpoint) together with the table, from the same fds, so that no checkpoint's pause
         # waits for an attach round trip; else on first use.
@@ -56,8 +58,9 @@ class TableView:
     def get(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
         if self._table is None and "hmac" in self._session.store.meta():
-            with critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
-                self._map()
+            with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
+                if self._table is None:
+                    self._map()
         return self._table
 
     def _map(self) -> None:
