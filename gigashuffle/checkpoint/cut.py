@@ -252,22 +252,28 @@ class _ReaderPause:
 
     def __init__(self, sup: Supervisor, cuts: CutState, config: DataloaderConfig, number: int) -> None:
         self._sup, self._cuts, self._config, self._number = sup, cuts, config, number
-        self._asked: set[int] = set()  # spawn seqs
+        self._asked: dict[int, int] = {}  # spawn seq -> Supervisor.pumps when its Pause went out
         self._resumed: set[int] = set()
         self.resumed_at: float | None = None  # when the first Resume went out: the node's delivery pause ends
 
     def ask(self) -> None:
         for child in self._sup.readers():
             if child.seq not in self._asked and self._sup.send(child, Pause(self._number)):
-                self._asked.add(child.seq)
+                self._asked[child.seq] = self._sup.pumps
         if failpoints.ACTIVE:
             failpoints.reached("cut.readers_asked")
 
     def wait(self, deadline: float) -> None:
         while True:
             self.ask()
-            # A reader whose ring has not come yet holds no rows; it reads its Pause before its first draw.
-            if all(self._cuts.is_paused(c) for c in self._sup.readers() if c.ring is not None):
+            # A reader asked before a pump and still without a ring sent its ring after its Pause was written, so
+            # it reads the Pause before its first draw and holds no rows. One asked since the last pump may have
+            # sent its ring and drawn before its Pause came: it counts once a pump has read what it sent.
+            pumps = self._sup.pumps
+            if all(
+                self._cuts.is_paused(c) if c.ring is not None else self._asked.get(c.seq, pumps) < pumps
+                for c in self._sup.readers()
+            ):
                 return
             if time.monotonic() > deadline:
                 raise CheckpointError(

@@ -78,6 +78,7 @@ class Supervisor:
         # The trainer-side state (the inbox, the children, the channels) has one thread at a time: pump() and
         # Batches.next_batch() hold this for their whole run (see pump()).
         self.turn = threading.RLock()
+        self.pumps = 0  # pumps done: a message sent before one began was read by it if it had come
         self.failure: BaseException | None = None
         self._closed = False
         # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
@@ -146,6 +147,7 @@ class Supervisor:
         had just sent: lost for good, and the reader starved). ``self.turn`` covers both."""
         with self.turn:
             self._pump(timeout)
+            self.pumps += 1
 
     def _pump(self, timeout: float) -> None:
         self.raise_if_failed()

@@ -233,6 +233,7 @@ class Trainer(NamedTuple):
     asked: tuple[tuple[int, int] | None, ...] = ()
     answers: tuple[Msg | None, ...] = ()
     r_asked: frozenset[int] = frozenset()
+    r_seen: frozenset[int] = frozenset()  # readers asked before the last pump (_ReaderPause._asked vs sup.pumps)
     r_resumed: frozenset[int] = frozenset()
     listed: tuple[Any, ...] = ()
     rows: tuple[Row, ...] = ()
@@ -723,7 +724,8 @@ def _pump(cfg: Config, w: World, rank: int) -> World:
         c = w.children[_find(w, seq)]
         if c.rank == rank:
             w = _on_exit(cfg, w._replace(exits=tuple(s for s in w.exits if s != seq)), rank, c)
-    return w
+    t = w.trainers[rank]
+    return _put_trainer(w, t._replace(r_seen=t.r_asked)) if t.r_seen != t.r_asked else w
 
 
 def _on_message(cfg: Config, w: World, rank: int, c: Writer | Reader, m: Msg) -> World:
@@ -852,8 +854,8 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
     if pc == "train":  # state_dict(): next_number then cut.take; CutState.begin forgets earlier Paused answers
         t = t._replace(cuts=t.cuts + 1, number=t.cuts + 1, cutting=True, asked=(None,) * cfg.writers,
                        paused=t.paused if cfg.begin_keeps_paused else frozenset(),
-                       answers=(None,) * cfg.writers, r_asked=frozenset(), r_resumed=frozenset(), listed=(),
-                       rows=(), before=t.delivered, failed=False, pc="c_ask")  # fmt: skip
+                       answers=(None,) * cfg.writers, r_asked=frozenset(), r_seen=frozenset(), r_resumed=frozenset(),
+                       listed=(), rows=(), before=t.delivered, failed=False, pc="c_ask")  # fmt: skip
         return _put_trainer(w, t)
     if pc == "c_ask":
         # One round of _writer_states (cut.py:178-194): ask the writers not asked and the readers, pump, take the
@@ -880,7 +882,8 @@ def _trainer_step(cfg: Config, w: World, rank: int, action: str) -> World | None
         return _put_trainer(w, t._replace(answers=tuple(answers), pc="r_wait" if done else "c_ask"))
     if pc == "r_wait":  # _ReaderPause.wait (cut.py:226-237)
         w, t = _ask_readers(w, t)
-        if all(c.seq in t.paused for c in _live(w, rank, Reader) if c.seq in t.rings):
+        # A reader without a ring counts once a pump ran after its Pause went out (cut.py, _ReaderPause.wait).
+        if all(c.seq in t.paused if c.seq in t.rings else c.seq in t.r_seen for c in _live(w, rank, Reader)):
             return _put_trainer(w, t._replace(pc="b_paused"))
         return _pump(cfg, _put_trainer(w, t), rank)
     if pc == "b_paused":
