@@ -15,28 +15,27 @@ The bench and a rank process talk in JSON lines, the bench on the rank's stdin, 
 The window's end is a ``time.monotonic()`` value rather than a duration: CLOCK_MONOTONIC is one clock for every
 process of a machine, so every rank stops at the same instant whatever the pipe latency was when it was told to
 start. Every wait on either side has a deadline, and a rank whose peer is gone closes its loader and exits.
+
+The bench's side is :mod:`.otherranks`, the channel :mod:`.rankchannel`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
-import select
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from gigashuffle.tools.bench import stateful
 from gigashuffle.tools.bench.baselines import timed_batches
+from gigashuffle.tools.bench.rankchannel import LineChannel, PeerGone
 from gigashuffle.tools.bench.workloads import RepeatingChunkDataset, Workload, get_workload
 
 if TYPE_CHECKING:
@@ -51,19 +50,8 @@ LOCK_STRIPES_VARIABLE = "GIGASHUFFLE_BENCH_LOCK_STRIPES"
 WARMUP_CAP_S = 30.0
 # A rank process imports torch, starts a loader and warms up; on a loaded 2-core machine that can take a while.
 READY_TIMEOUT_S = 120.0 + WARMUP_CAP_S
-# After the window ends a rank finishes the batch it is on: one batch, even a slow one, is far below this.
-REPORT_TIMEOUT_S = 60.0
 # A rank waits this long for the bench to start its window: the bench waits for the slowest rank to be ready first.
 GO_TIMEOUT_S = 2 * READY_TIMEOUT_S
-CLOSE_TIMEOUT_S = 60.0
-# On an error the ranks are told to stop, given this long, then sent SIGTERM, then SIGKILL.
-ABORT_GRACE_S = 5.0
-KILL_GRACE_S = 30.0
-# A wait for a message wakes up this often to notice that the peer process died (a pipe can outlive it).
-_PEER_CHECK_S = 0.5
-
-Message = dict[str, Any]
-Pids = dict[str, list[int]]
 
 
 def rank_config(
@@ -135,166 +123,6 @@ def warm_up(
         next_batch()
         batches += 1
     return WarmUp(batches, time.perf_counter() - start, True)
-
-
-class PeerGone(RuntimeError):
-    """The other end of a rank channel closed it, died, or did not answer in time."""
-
-
-class LineChannel:
-    """JSON lines over a pair of pipe file descriptors, with a deadline on every receive."""
-
-    def __init__(self, read_fd: int, write_fd: int, peer: str, peer_alive: Callable[[], bool] | None = None) -> None:
-        self._read_fd = read_fd
-        self._write_fd = write_fd
-        self._peer = peer
-        self._peer_alive = peer_alive
-        self._buffer = b""
-
-    def send(self, message: Message) -> None:
-        data = json.dumps(message).encode() + b"\n"
-        try:
-            while data:
-                data = data[os.write(self._write_fd, data) :]
-        except BrokenPipeError as exc:
-            raise PeerGone(f"{self._peer} is gone (broken pipe)") from exc
-
-    def receive(self, deadline: float, waiting_for: str) -> Message:
-        """The next message; ``PeerGone`` when the peer closed its end, died, or ``deadline`` (monotonic) passed."""
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PeerGone(f"{self._peer}: no {waiting_for} before the deadline")
-            readable, _, _ = select.select([self._read_fd], [], [], min(remaining, _PEER_CHECK_S))
-            if readable:
-                data = os.read(self._read_fd, 1 << 16)
-                if not data:
-                    raise PeerGone(f"{self._peer} closed its end while we waited for {waiting_for}")
-                self._buffer += data
-            elif self._peer_alive is not None and not self._peer_alive():
-                raise PeerGone(f"{self._peer} exited while we waited for {waiting_for}")
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        message: Message = json.loads(line)
-        return message
-
-
-# ------------------------------------------------------------------------------------------- bench side
-
-
-class RankProcess:
-    """Rank ``rank`` (>= 1) of the bench's node, running this module in its own process."""
-
-    def __init__(self, rank: int, args: Sequence[str]) -> None:
-        self.rank = rank
-        # stdout carries the reports; stderr is the bench's, so a rank's logs and tracebacks show up as they happen.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gigashuffle.tools.bench.ranks", "--rank", str(rank), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        if self.proc.stdin is None or self.proc.stdout is None:
-            raise AssertionError("Popen with PIPE gave no stdin/stdout")
-        self.channel = LineChannel(
-            self.proc.stdout.fileno(), self.proc.stdin.fileno(), f"bench rank {rank}", lambda: self.proc.poll() is None
-        )
-
-    def stop(self, clean: bool) -> None:
-        """Tell the rank to close its loader and exit; escalate to SIGTERM then SIGKILL if it does not in time."""
-        proc = self.proc
-        if proc.stdin is None or proc.stdout is None:
-            raise AssertionError("Popen with PIPE gave no stdin/stdout")
-        if clean and not proc.stdin.closed and proc.poll() is None:
-            with contextlib.suppress(PeerGone):
-                self.channel.send({"close": True})
-        if not proc.stdin.closed:
-            proc.stdin.close()  # end of file: a rank that is not reading now sees it at its next receive
-        try:
-            proc.wait(CLOSE_TIMEOUT_S if clean else ABORT_GRACE_S)
-        except subprocess.TimeoutExpired:
-            log.warning("bench rank %d did not exit; sending SIGTERM", self.rank)
-            proc.terminate()
-            try:
-                proc.wait(KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                log.warning("bench rank %d ignored SIGTERM; killing it", self.rank)
-                proc.kill()
-                proc.wait(KILL_GRACE_S)
-        proc.stdout.close()
-        if clean and proc.returncode != 0:
-            log.error("bench rank %d exited with status %d", self.rank, proc.returncode)
-
-
-@dataclass
-class RankReport:
-    """What a rank process reported: its pids, its warm-up and (after the window) its rate."""
-
-    rank: int
-    pids: Pids
-    warmup: dict[str, Any]
-    rate: dict[str, Any] | None = None
-
-
-class OtherRanks:
-    """Ranks 1..R-1 of the node: started together, timed over the window of rank 0, stopped together.
-
-    A context manager: on leaving it every rank process is stopped, on an error without waiting for a clean close.
-    """
-
-    def __init__(
-        self,
-        workload: Workload,
-        queue_name: str,
-        writers: int,
-        readers: int,
-        ranks: int,
-        redis_url: str,
-    ) -> None:
-        args = ["--workload", workload.name, "--queue", queue_name, "--writers", str(writers)]
-        args += ["--readers", str(readers), "--ranks", str(ranks), "--redis-url", redis_url]
-        self.processes: list[RankProcess] = []
-        try:
-            for rank in range(1, ranks):
-                self.processes.append(RankProcess(rank, args))
-        except BaseException:
-            self._stop_all(clean=False)
-            raise
-        self.reports: list[RankReport] = []
-
-    def __enter__(self) -> OtherRanks:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self._stop_all(clean=exc_type is None)
-
-    def _stop_all(self, clean: bool) -> None:
-        if not clean:
-            # Closing every stdin first lets all ranks wind down at once rather than one after the other.
-            for process in self.processes:
-                if process.proc.stdin is not None and not process.proc.stdin.closed:
-                    process.proc.stdin.close()
-        for process in self.processes:
-            process.stop(clean)
-
-    def wait_ready(self) -> list[RankReport]:
-        """Block until every rank has warmed up; their pids (trainer and children) by role."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        self.reports = []
-        for process in self.processes:
-            message = process.channel.receive(deadline, "ready report")
-            self.reports.append(RankReport(process.rank, message["pids"], message["warmup"]))
-        return self.reports
-
-    def start_window(self, end: float) -> None:
-        for process in self.processes:
-            process.channel.send({"end": end})
-
-    def collect_rates(self, end: float) -> list[RankReport]:
-        deadline = end + REPORT_TIMEOUT_S
-        for process, report in zip(self.processes, self.reports, strict=True):
-            report.rate = process.channel.receive(deadline, "rate report")["rate"]
-        return self.reports
 
 
 # -------------------------------------------------------------------------------------------- rank side
