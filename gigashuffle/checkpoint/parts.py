@@ -2,7 +2,7 @@
 
 Each writer holds its own copy of the dataset, so a checkpoint of a rank is the list of its writers' states in
 writer order, plus for each how many rows after that state were already written (``skip``: a writer that was
-respawned, or that has not yet re-read what it must not repeat: NOTE [ Respawned writers ] in procs/writer.py), the
+respawned, or that has not yet re-read what it must not repeat: NOTE [ Respawned writers ] in procs/resume.py), the
 queue's name, and the rows read and not delivered with their count and CRC-32 (a truncated or tampered part is
 refused). A loader of another rank layout (world size, ``num_writers``) re-splits the states of every rank if the
 dataset offers ``reshard_states`` (NOTE [ Elastic resume ] in checkpoint/elastic.py). Every check runs in the training

@@ -71,7 +71,7 @@ class DataloaderConfig(ConfigFields):
     speed; ``device="cuda:N"`` (or a ``torch.device``) also returns every batch already on that device (the rings are
     then pinned whatever ``pin_memory`` says). Both are checked against the machine when the loader is built.
     ``ring_depth`` is how many batches each reader keeps in flight; None picks 4 to 8 by batch size (see
-    :func:`gigashuffle.shm.buffer.ring_depth_for`).
+    :func:`gigashuffle.shm.ring.ring_depth_for`).
     ``lock_stripes=N`` splits the node's slot table into N stripes, each with its own lock (NOTE [ Stripes ] in
     shm/stripes.py): the node's ceiling on small rows grows about N-fold, at more CPU per row (tiny 80-byte rows at
     1 writer + 1 reader: about a third more; docs/benchmarks.md). 1, the default, is one lock: below about 100M

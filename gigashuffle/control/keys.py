@@ -2,8 +2,8 @@
 
 All keys of one queue on one node share the hash tag ``{<queue>@<node>}``, so a Redis Cluster keeps them on one
 shard and every Lua script may touch all of them. Nothing else in the package spells a key. A queue name may hold
-``@`` but a node id may not (config.py refuses it), so a tag splits at its last ``@`` one way only: no two
-(queue, node) pairs share keys. Neither may hold braces or colons.
+``@`` but a node id may not (config/checks.py refuses it), so a tag splits at its last ``@`` one way only: no
+two (queue, node) pairs share keys. Neither may hold braces or colons.
 """
 
 from __future__ import annotations
