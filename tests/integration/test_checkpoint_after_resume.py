@@ -25,7 +25,9 @@ from timing import startup_deadline
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 IDS, CHUNK, BS, SHUFFLE = 160, 40, 16, 256
-LATE_S = 3.0  # writer 1's pause before its first chunk after the resume: the window the cut must fall in
+# Writer 1's pause before its first chunk after the resume: the window the cut must fall in. Writer 0 must write its
+# share within it, which a loaded machine can stall for seconds: it grows with the measured start-up (3 s idle).
+LATE_S = startup_deadline(3.0, 2)
 DRAIN_PAST = 256  # rows read after the last id of pass 0 came: a repeat would show among them
 
 
