@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import redis
 from chaos_datasets import check_batch, writer_of
 from redis_servers import wait_until
 from slot_audit import audit_slots, node_table, snapshot
-from timing import startup_deadline
+from timing import deadline, startup_deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.control.keys import QueueKeys
@@ -73,31 +72,6 @@ def run_id() -> str:
 
 
 # -- bounded waits -------------------------------------------------------------------------------------------
-class DeadlineExceeded(BaseException):
-    """A call in the main thread ran past its deadline (a BaseException, so no ``except Exception`` eats it)."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: float, what: str) -> Iterator[None]:
-    """Raise ``DeadlineExceeded`` in the main thread if the block runs longer than ``seconds``."""
-    old_handler = signal.getsignal(signal.SIGALRM)
-    old_delay, old_interval = signal.getitimer(signal.ITIMER_REAL)
-    start = time.monotonic()
-
-    def on_alarm(_signum: int, _frame: Any) -> None:
-        raise DeadlineExceeded(f"{what} did not finish within {seconds:.0f} s")
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
-        if old_delay > 0:  # pytest-timeout's timer: give back what is left of it
-            signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - start), 0.001), old_interval)
-
-
 def process_gone(pid: int, create_time: float) -> bool:
     """True once ``pid`` no longer runs (exited, reaped or a zombie, or the pid now names another process)."""
     try:

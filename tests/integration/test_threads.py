@@ -9,41 +9,20 @@ after ``ring_depth`` such losses the reader is starved and ``next()`` waits fore
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from datasets import GatedUniqueIds, UniqueIds, check_unique_batch
+from timing import deadline
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
 BATCHES = 2000
-MONITORS = 1
 LIMIT_S = 120.0  # the loop's whole run; a starved reader would leave next() waiting without end
-
-
-class TimedOut(BaseException):
-    """The loop ran past ``LIMIT_S`` (a BaseException, so no ``except Exception`` in the loader eats it)."""
-
-
-@contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
-    def on_alarm(_signum: int, _frame: Any) -> None:
-        raise TimedOut(f"the training loop did not take {BATCHES} batches within {seconds:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def test_a_monitor_thread_that_pumps_beside_next_loses_no_ring_slot(redis_url: str) -> None:
@@ -51,7 +30,7 @@ def test_a_monitor_thread_that_pumps_beside_next_loses_no_ring_slot(redis_url: s
                            num_readers=2, ring_depth=2, redis_url=redis_url)  # fmt: skip
     stop = threading.Event()
     pumps = [0]
-    errors: list[BaseException] = []  # a monitor's exception, carried home
+    errors: list[BaseException] = []  # the monitor's exception, carried home
     with MultiprocessShuffledDataloader(UniqueIds(), cfg) as loader:
         loader.child_pids()
 
@@ -66,14 +45,13 @@ def test_a_monitor_thread_that_pumps_beside_next_loses_no_ring_slot(redis_url: s
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=monitor, name=f"monitor-{n}", daemon=True) for n in range(MONITORS)]
+        thread = threading.Thread(target=monitor, name="monitor", daemon=True)
         seen: set[int] = set()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)  # the threads take turns every 10 us, not 5 ms: the windows get hit
-        for thread in threads:
-            thread.start()
+        thread.start()
         try:
-            with _alarm(LIMIT_S):
+            with deadline(LIMIT_S, f"the training loop's {BATCHES} batches"):
                 it = iter(loader)
                 for _ in range(BATCHES):
                     ids = check_unique_batch(next(it), cfg.bs, cfg.shuffle_size)
@@ -83,11 +61,10 @@ def test_a_monitor_thread_that_pumps_beside_next_loses_no_ring_slot(redis_url: s
                         break
         finally:
             stop.set()
-            for thread in threads:
-                thread.join(timeout=30.0)
+            thread.join(timeout=30.0)
             sys.setswitchinterval(switch)
-        assert not any(thread.is_alive() for thread in threads), "a monitor thread did not stop within 30 s"
-        assert not errors, f"a monitor thread failed: {errors[0]!r}"
+        assert not thread.is_alive(), "the monitor thread did not stop within 30 s"
+        assert not errors, f"the monitor thread failed: {errors[0]!r}"
         assert pumps[0] > 0, "the monitor never pumped: the test checked nothing"
         assert len(seen) == BATCHES * cfg.bs
 
