@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +12,11 @@ from gigashuffle.checkpoint.checkpoints import Checkpoints
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.sources import missing_state_methods
+from gigashuffle.trainer.supervisor import Supervisor
+
+# How long state_dict()/load_state_dict() wait for a thread inside next() to return (Supervisor.turn): a cut
+# that waited for the turn without end would wait for a batch its own pause keeps from coming.
+_TURN_WAIT_S = 60.0
 
 
 class CheckpointMethods:
@@ -19,6 +25,7 @@ class CheckpointMethods:
     config: DataloaderConfig
     dataset: Any
     _checkpoints: Checkpoints
+    _sup: Supervisor
 
     if TYPE_CHECKING:
 
@@ -32,7 +39,8 @@ class CheckpointMethods:
         prefetch), as they were yielded; their rows are saved too, so a resume brings them back."""
         self._check_open()
         self._require_state_methods("state_dict")
-        return self._checkpoints.state_dict(unconsumed)
+        with self._turn("state_dict"):
+            return self._checkpoints.state_dict(unconsumed)
 
     def gathered_state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """Every rank's ``state_dict()`` merged (``all_gather_object`` when ``torch.distributed`` is initialized; a
@@ -53,7 +61,22 @@ class CheckpointMethods:
         [ Restore before reading ] in procs/resume.py)."""
         self._check_open()
         self._require_state_methods("load_state_dict")
-        self._checkpoints.load_state_dict(state)
+        with self._turn("load_state_dict"):
+            self._checkpoints.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def _turn(self, caller: str) -> Iterator[None]:
+        """The trainer-side state for the whole call (Supervisor.pump()): a call from a second thread waits for the
+        one inside ``next()`` to return, and fails rather than waiting for good."""
+        if not self._sup.turn.acquire(timeout=_TURN_WAIT_S):
+            raise CheckpointError(
+                f"{caller}() on the loader of queue {self.config.queue_name!r} waited {_TURN_WAIT_S:.0f} s for "
+                "another thread's next() to return: call it from the thread that iterates the loader, between steps"
+            )
+        try:
+            yield
+        finally:
+            self._sup.turn.release()
 
     def _require_state_methods(self, caller: str) -> None:
         why = missing_state_methods(self.dataset)

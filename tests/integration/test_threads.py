@@ -16,10 +16,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from datasets import GatedUniqueIds, UniqueIds, check_unique_batch
 from timing import deadline
 
-from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.loader import checkpointing
 
 BATCHES = 2000
 LIMIT_S = 120.0  # the loop's whole run; a starved reader would leave next() waiting without end
@@ -118,3 +120,34 @@ def test_a_pump_from_another_thread_waits_while_next_waits(redis_url: str, tmp_p
         trainer.join(LIMIT_S)
         watcher.join(LIMIT_S)
         assert order == ["next returned", "monitor pumped"], order
+
+
+def test_a_checkpoint_from_another_thread_beside_next_fails_clearly(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``state_dict()`` from a second thread while the loop waits inside ``next()``: the cut would pause the readers
+    whose batch that ``next()`` waits for, and wait for the turn that ``next()`` holds. It waits a bounded time
+    for the turn and then says which thread to call it from; once the loop is between steps it works."""
+    monkeypatch.setattr(checkpointing, "_TURN_WAIT_S", 1.0)
+    allowed = tmp_path / "allowed"
+    allowed.write_text("1")
+    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"threads-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=1, redis_url=redis_url)  # fmt: skip
+    with MultiprocessShuffledDataloader(GatedUniqueIds(str(allowed)), cfg) as loader:
+        loader.child_pids()
+        it = iter(loader)
+        trainer = threading.Thread(target=lambda: next(it), name="loop", daemon=True)
+        trainer.start()
+        deadline_at = time.monotonic() + LIMIT_S
+        while not _held_elsewhere(loader._sup.turn):
+            assert time.monotonic() < deadline_at, "next() never took the trainer's turn"
+            time.sleep(0.01)
+        refused = pytest.raises(CheckpointError, match="call it from the thread that iterates the loader")
+        with deadline(LIMIT_S, "state_dict() beside a thread inside next()"), refused:
+            loader.state_dict()
+        allowed.write_text("1000000")
+        trainer.join(LIMIT_S)
+        assert not trainer.is_alive(), "next() did not return once the source went on"
+        with deadline(LIMIT_S, "state_dict() with the loop between steps"):
+            state = loader.state_dict()
+        assert f"rank{cfg.global_rank}" in state
