@@ -9,10 +9,12 @@ after ``ring_depth`` such losses the reader is starved and ``next()`` waits fore
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,56 +81,13 @@ def _held_elsewhere(lock: Any) -> bool:
     return True
 
 
-def test_a_pump_from_another_thread_waits_while_next_waits(redis_url: str, tmp_path: Path) -> None:
-    """The lock's boundary, without a race to hit: the loop waits inside ``next()`` (the source gives one chunk, the
-    readers need 32 full slots), and a monitor's pump (what ``child_pids()`` runs while a respawned child's pid is
-    unknown) does not run until that ``next()`` has returned. A lock on the pump alone let it run between two of
-    the loop's own pumps, beside the loop's flush and hand-over."""
-    allowed = tmp_path / "allowed"
-    allowed.write_text("1")
-    cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"threads-{uuid.uuid4().hex[:8]}", num_writers=1,
-                           num_readers=1, redis_url=redis_url)  # fmt: skip
-    with MultiprocessShuffledDataloader(GatedUniqueIds(str(allowed)), cfg) as loader:
-        loader.child_pids()
-        it = iter(loader)
-        order: list[str] = []
-        in_next = threading.Event()
-        pumped = threading.Event()
-
-        def loop() -> None:
-            in_next.set()
-            next(it)
-            order.append("next returned")
-
-        def monitor() -> None:
-            loader._sup.pump(0.0)
-            order.append("monitor pumped")
-            pumped.set()
-
-        trainer = threading.Thread(target=loop, name="loop", daemon=True)
-        trainer.start()
-        assert in_next.wait(LIMIT_S)
-        # next() takes the turn before its first pump; its wait then lasts until the gate opens, far past this poll.
-        deadline = time.monotonic() + LIMIT_S
-        while not _held_elsewhere(loader._sup.turn):
-            assert time.monotonic() < deadline, "next() never took the trainer's turn"
-            time.sleep(0.01)
-        watcher = threading.Thread(target=monitor, name="monitor", daemon=True)
-        watcher.start()
-        assert not pumped.wait(1.0), "the monitor pumped while the loop was inside next()"
-        allowed.write_text("1000000")  # the source goes on: the buffer fills, next() returns, then the monitor pumps
-        trainer.join(LIMIT_S)
-        watcher.join(LIMIT_S)
-        assert order == ["next returned", "monitor pumped"], order
-
-
-def test_a_checkpoint_from_another_thread_beside_next_fails_clearly(
-    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``state_dict()`` from a second thread while the loop waits inside ``next()``: the cut would pause the readers
-    whose batch that ``next()`` waits for, and wait for the turn that ``next()`` holds. It waits a bounded time
-    for the turn and then says which thread to call it from; once the loop is between steps it works."""
-    monkeypatch.setattr(checkpointing, "_TURN_WAIT_S", 1.0)
+@contextlib.contextmanager
+def _loop_inside_next(
+    redis_url: str, tmp_path: Path
+) -> Iterator[tuple[MultiprocessShuffledDataloader, Callable[[], None]]]:
+    """A loader whose training loop, a thread of its own, waits inside ``next()`` holding the trainer's turn (the
+    source gave one chunk; the readers need 32 full slots). Yields the loader and ``go()``, which lets the source go
+    on and waits for that ``next()`` to return."""
     allowed = tmp_path / "allowed"
     allowed.write_text("1")
     cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"threads-{uuid.uuid4().hex[:8]}", num_writers=1,
@@ -138,16 +97,52 @@ def test_a_checkpoint_from_another_thread_beside_next_fails_clearly(
         it = iter(loader)
         trainer = threading.Thread(target=lambda: next(it), name="loop", daemon=True)
         trainer.start()
+        # next() takes the turn before its first pump; its wait then lasts until go(), far past this poll.
         deadline_at = time.monotonic() + LIMIT_S
         while not _held_elsewhere(loader._sup.turn):
             assert time.monotonic() < deadline_at, "next() never took the trainer's turn"
             time.sleep(0.01)
+
+        def go() -> None:
+            allowed.write_text("1000000")  # the source goes on: the buffer fills and next() returns
+            trainer.join(LIMIT_S)
+            assert not trainer.is_alive(), "next() did not return once the source went on"
+
+        yield loader, go
+
+
+def test_a_pump_from_another_thread_waits_while_next_waits(redis_url: str, tmp_path: Path) -> None:
+    """The lock's boundary, without a race to hit: while the loop waits inside ``next()``, a monitor's pump (what
+    ``child_pids()`` runs while a respawned child's pid is unknown) does not run until that ``next()`` has
+    returned. A lock on the pump alone let it run between two of the loop's own pumps, beside the loop's flush and
+    hand-over."""
+    with _loop_inside_next(redis_url, tmp_path) as (loader, go):
+        pumped = threading.Event()
+
+        def monitor() -> None:
+            loader._sup.pump(0.0)
+            pumped.set()
+
+        watcher = threading.Thread(target=monitor, name="monitor", daemon=True)
+        watcher.start()
+        assert not pumped.wait(1.0), "the monitor pumped while the loop was inside next()"
+        go()
+        assert pumped.wait(LIMIT_S), "the monitor's pump never ran once next() had returned"
+        watcher.join(LIMIT_S)
+
+
+def test_a_checkpoint_from_another_thread_beside_next_fails_clearly(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``state_dict()`` from a second thread while the loop waits inside ``next()``: the cut would pause the readers
+    whose batch that ``next()`` waits for, and wait for the turn that ``next()`` holds. It waits a bounded time
+    for the turn and then says which thread to call it from; once the loop is between steps it works."""
+    monkeypatch.setattr(checkpointing, "_TURN_WAIT_S", 1.0)
+    with _loop_inside_next(redis_url, tmp_path) as (loader, go):
         refused = pytest.raises(CheckpointError, match="call it from the thread that iterates the loader")
         with deadline(LIMIT_S, "state_dict() beside a thread inside next()"), refused:
             loader.state_dict()
-        allowed.write_text("1000000")
-        trainer.join(LIMIT_S)
-        assert not trainer.is_alive(), "next() did not return once the source went on"
+        go()
         with deadline(LIMIT_S, "state_dict() with the loop between steps"):
             state = loader.state_dict()
-        assert f"rank{cfg.global_rank}" in state
+        assert f"rank{loader.config.global_rank}" in state
