@@ -146,7 +146,9 @@ class Layout:
             # Only the steps this tensor needs: each torch call costs about a microsecond, per field and chunk.
             raw = tensor if tensor.is_contiguous() else tensor.contiguous()
             if raw.dtype != torch.uint8:
-                raw = raw.view(torch.uint8)
+                # A contiguous tensor may still give a last dimension of size 1 any stride (a transposed row), which
+                # view() refuses; flattened, its stride is 1.
+                raw = (raw if raw.dim() < 2 or raw.stride(-1) == 1 else raw.reshape(-1)).view(torch.uint8)
             if raw.dim() != 2 or raw.shape[1] != spec.row_bytes:
                 raw = raw.reshape(rows, spec.row_bytes)
             as_bytes.append(raw)

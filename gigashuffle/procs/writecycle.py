@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from gigashuffle.errors import SchemaError
 from gigashuffle.procs import firstmix
@@ -43,6 +42,7 @@ from gigashuffle.procs.writercontrol import handle_control
 from gigashuffle.schema import Layout
 from gigashuffle.shm.counters import W_BLOCKED_S, W_CHUNKS, W_DATASET_S, W_ROWS, ChildCounters
 from gigashuffle.shm.picker import NO_IDS
+from gigashuffle.shm.rowcopies import ChunkRows, RowElements, row_elements
 from gigashuffle.shm.slottable import SlotIds, SlotTable
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def write_forever(env: ChildEnv, chunks: Chunks, chunk: Any, layout: Layout, cou
     cells = counters.cells  # added to once per chunk or backoff, never per row
     control_due = 0.0  # when the trainer's messages are next read between chunks
     position, track = chunks.position, chunks.track
+    chunk_rows = ChunkRows(layout)  # checks and cuts each chunk: NOTE [ Row copies ] in shm/rowcopies.py
     with PendingRows(table, me, lane=position.lanes[0]) as pending:  # NOTE [ Respawned writers ]
 
         def before_idle() -> None:  # an idle writer keeps neither rows unpublished nor slots reserved
@@ -83,9 +84,10 @@ def write_forever(env: ChildEnv, chunks: Chunks, chunk: Any, layout: Layout, cou
                 position.done = done
             handle_control(env, chunks)
 
-        def write(as_bytes: list[torch.Tensor], rows: int, done: int, saved: bool = False) -> None:
-            """Copy rows ``done:`` into slots, serving the trainer while no slot is empty; ``saved``: they are a
-            checkpoint's saved rows (position.restored counts them), else the chunk's (position.done)."""
+        def write(elements: list[RowElements], rows: int, done: int, saved: bool = False) -> None:
+            """Copy rows ``done:`` (per field its ``row_elements``: NOTE [ Row copies ]) into slots, serving the
+            trainer while no slot is empty; ``saved``: they are a checkpoint's saved rows (position.restored counts
+            them), else the chunk's (position.done)."""
             serial = position.serial
             while done < rows:
                 allowed = mix.allowed(rows - done)
@@ -112,7 +114,7 @@ def write_forever(env: ChildEnv, chunks: Chunks, chunk: Any, layout: Layout, cou
                         continue
                 backoff.reset()
                 slots = reserved.take(allowed)
-                buffer.write(slots, as_bytes, done)
+                buffer.put(slots, elements, done)
                 track.stamp(table.origin, slots, done, saved)
                 done += len(slots)
                 pending.add(slots)
@@ -128,15 +130,14 @@ def write_forever(env: ChildEnv, chunks: Chunks, chunk: Any, layout: Layout, cou
                 asked = time.monotonic()
                 chunk = chunks.next()
                 cells[W_DATASET_S] += time.monotonic() - asked
-            rows, as_bytes = layout.rows_in(chunk)
+            rows, elements = chunk_rows(chunk)
             produced = position.produced
             skipped = position.take(rows)
             chosen = track.select(produced, rows, skipped)
             if chosen is None:
-                write(as_bytes, rows, skipped)
+                write(elements, rows, skipped)
             else:  # a resumed writer re-reads: only the rows its checkpoint did not count as consumed
-                index = torch.from_numpy(chosen)
-                write([f.index_select(0, index) for f in as_bytes], len(chosen), 0)
+                write([f[chosen] for f in elements], len(chosen), 0)
             cells[W_ROWS] += rows
             cells[W_CHUNKS] += 1
             position.done = None
@@ -169,7 +170,7 @@ def _write_back(position: StreamPosition, layout: Layout, pending: PendingRows, 
     pending.lane = position.lanes[1]
     serial = position.serial
     try:
-        write(list(block.fields), rows, 0, saved=True)
+        write([row_elements(f.numpy()) for f in block.as_tensors().fields], rows, 0, saved=True)
         pending.publish()
     finally:
         pending.lane = position.lanes[0]

@@ -43,13 +43,15 @@ class SlotBuffer:
     def write(self, slot_ids: torch.Tensor | SlotIdArray, rows: Sequence[torch.Tensor], start: int) -> None:
         """Copy ``rows[f][start : start + len(slot_ids)]`` (``uint8 [n, row_bytes]`` per field) into the given
         slots, one ``put`` per field (which raises on an id out of range)."""
+        self.put(slot_ids, [row_elements(src.numpy()) for src in rows], start)
+
+    def put(self, slot_ids: torch.Tensor | SlotIdArray, elements: Sequence[npt.NDArray[Any]], start: int) -> None:
+        """``write`` for rows already in their copy form (per field the 1-D ``row_elements``, as ``ChunkRows``
+        cuts a writer's chunks): one ``put`` per field."""
         ids = _as_numpy(slot_ids)
         end = start + len(ids)
-        for dest, src in zip(self._rows, rows, strict=True):
-            part = src.numpy()
-            if start or end != len(part):
-                part = part[start:end]
-            dest.put(ids, row_elements(part))
+        for dest, src in zip(self._rows, elements, strict=True):
+            dest.put(ids, src[start:end] if start or end != len(src) else src)
 
     def gather(
         self,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from gigashuffle.schema import Layout
 
@@ -32,6 +33,9 @@ _ALIGN = 64  # cache line: keeps every field region aligned for any dtype and fo
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
+
+RowElements = npt.NDArray[Any]
+"""A field's rows as a 1-D array of whole-row elements (NOTE [ Row copies ])."""
 
 _ROW_INTS: dict[int, np.dtype[Any]] = {
     1: np.dtype(np.uint8),
@@ -50,6 +54,81 @@ def row_elements(rows: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
     dtype: np.dtype[Any] = _ROW_INTS.get(row_bytes) or np.dtype((np.void, row_bytes))
     elements: npt.NDArray[Any] = rows.view(dtype).reshape(n)
     return elements
+
+
+def _numpy_able(dtype: torch.dtype) -> torch.dtype | None:
+    """None if a tensor of ``dtype`` has a numpy view, else the same-size integer dtype to view it as first."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+        return None
+    except TypeError:  # bfloat16, float8, ...: no numpy dtype
+        return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+
+
+class ChunkRows:
+    """A writer's chunks as row elements (NOTE [ Row copies ]), checked exactly as ``Layout.rows_in`` checks them.
+
+    A chunk of the common shape (the layout's groups and keys, each field a contiguous CPU tensor of the layout's
+    dtype and row shape, none requiring grad, at least one row) is checked and cut in one pass of attribute reads
+    and two numpy views per field; any other chunk goes through ``rows_in``, which converts what it can and raises
+    the error that names the field. Measured on the 2-core VM, tiny's chunk (1,024 rows of 16 float32 + one int64):
+    19 us per chunk through ``rows_in`` and ``row_elements``, a third of a writer's CPU per chunk, against about 3.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self._keys = [frozenset(f.key for f in layout.fields if f.group == g) for g in range(layout.num_groups)]
+        # Per field: where it is; what it must be (dtype, row shape, dimensions); the dtype to view it as for numpy
+        # (None: as it is); whether its rows have more than one dimension (flattened first); one row's element dtype.
+        self._fields = [
+            (f.group, f.key, f.dtype, f.shape, len(f.shape) + 1, _numpy_able(f.dtype), len(f.shape) > 1,
+             _ROW_INTS.get(f.row_bytes) or np.dtype((np.void, f.row_bytes)))
+            for f in layout.fields
+        ]  # fmt: skip
+        # Rows of no bytes have no element dtype worth the fast path: those layouts always take rows_in.
+        self._fast = all(f.row_bytes for f in layout.fields)
+
+    def __call__(self, chunk: object) -> tuple[int, list[RowElements]]:
+        """The chunk's row count and, per field of the layout, its rows as a 1-D array of row elements (views of
+        the chunk's memory: copy them before the dataset reuses it)."""
+        found = self._cut(chunk) if self._fast else None
+        if found is not None:
+            return found
+        rows, as_bytes = self.layout.rows_in(chunk)
+        if not rows:  # no bytes to view as rows (a chunk of no rows copies nothing)
+            return 0, [np.empty(0, dtype=field[-1]) for field in self._fields]
+        return rows, [row_elements(f.numpy()) for f in as_bytes]
+
+    def _cut(self, chunk: object) -> tuple[int, list[RowElements]] | None:
+        if type(chunk) is not list and type(chunk) is not tuple:
+            return None
+        if len(chunk) != len(self._keys):
+            return None
+        for group, keys in zip(chunk, self._keys, strict=True):  # lengths checked above
+            if type(group) is not dict or group.keys() != keys:
+                return None
+        rows = -1
+        elements = []
+        for g, key, dtype, shape, ndim, view_as, flatten, row_dtype in self._fields:
+            tensor = chunk[g][key]
+            if (
+                type(tensor) is not torch.Tensor
+                or tensor.dtype is not dtype
+                or tensor.requires_grad
+                or not tensor.is_cpu
+                or not tensor.is_contiguous()
+            ):
+                return None
+            size = tensor.shape
+            if len(size) != ndim or size[1:] != shape or (rows >= 0 and size[0] != rows) or not size[0]:
+                return None
+            rows = size[0]
+            array = (tensor if view_as is None else tensor.view(view_as)).numpy()
+            if flatten:
+                array = array.reshape(rows, -1)
+            # [n] -> [n] of a same-size dtype, or [n, k] -> [n, 1] -> [n]: views, in about 0.3 us each
+            elements.append(array.view(row_dtype).ravel())
+        return rows, elements
 
 
 def _field_offsets(layout: Layout, rows: int) -> tuple[list[int], int]:
