@@ -71,7 +71,8 @@ class SlotBuffer:
             dst_rows = _as_numpy(dst)
             if dst_rows.ndim != 1:
                 dst_rows = row_elements(dst_rows)
-            np.take(src, ids, out=dst_rows, mode="clip")  # in range, checked above: NOTE [ Row copies ]
+            # In range, checked above: NOTE [ Row copies ]. The method, not np.take: its wrapper cost 0.5 us a call.
+            src.take(ids, out=dst_rows, mode="clip")
 
     def read_rows(self, slot_ids: torch.Tensor) -> list[torch.Tensor]:
         return [torch.index_select(region, 0, slot_ids) for region in self.regions]

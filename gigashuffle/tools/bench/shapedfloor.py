@@ -234,7 +234,7 @@ def _read(workload: Workload, shared: _Shared, i: int, to_trainer: int, from_tra
         k = free.pop()
         ids = rng.integers(0, slots, bs)
         for rows, ring in zip(shared.rows, rings, strict=True):
-            np.take(rows, ids, out=ring[k], mode="clip")
+            rows.take(ids, out=ring[k], mode="clip")  # as SlotBuffer.gather takes them
         read += bs
         shared.counts[i] = read
         os.write(to_trainer, bytes([k]))
