@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import get_worker_info
 
 from gigashuffle.control import dummyrow
@@ -124,7 +125,7 @@ def _nothing() -> None:
 def _is_empty(chunk: Any) -> bool:
     try:
         first = next(iter(chunk[0].values()))
-        return len(first) == 0
+        return (first.shape[0] if type(first) is torch.Tensor else len(first)) == 0  # Tensor.__len__: 0.7 us
     except (TypeError, IndexError, KeyError, StopIteration, AttributeError):
         return False  # malformed: let the layout check explain what is wrong
 
