@@ -21,6 +21,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import leaks  # noqa: E402
+from lean import LeanProcess  # noqa: E402
 from redis_servers import ManagedRedis, RedisCluster, find_server_binary, start_redis  # noqa: E402
 
 RUNTIME_DIR_ENV = "GIGASHUFFLE_RUNTIME_DIR"
@@ -116,3 +117,13 @@ def client(redis_url: str) -> Iterator[Any]:
     c = connect(redis_url, total_timeout_s=5.0)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def lean() -> Iterator[LeanProcess]:
+    """A lean interpreter for the module's fork-heavy bodies (tests/lean.py), stopped after the module's tests."""
+    process = LeanProcess()
+    try:
+        yield process
+    finally:
+        process.close()

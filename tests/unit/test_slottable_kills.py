@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lean import LeanProcess
 from slot_audit import lock_is_free, repair_killed_in_the_journal
 
 from gigashuffle.shm import holders, journal, nodelock, picker, readops, slotmap, slottable, stripes, wideops
@@ -159,17 +160,19 @@ OPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def dead() -> tuple[int, int]:
-    """Two pids of processes that ran and were reaped: the dead writer and reader of the prepared table."""
-    pids = []
-    for _ in range(2):
+_DEAD: list[int] = []
+
+
+def _dead() -> tuple[int, int]:
+    """Two pids of processes that ran and were reaped: the dead writer and reader of the prepared table (made once
+    per process that runs the cuts)."""
+    while len(_DEAD) < 2:
         pid = os.fork()
         if pid == 0:
             os._exit(0)
         os.waitpid(pid, 0)
-        pids.append(pid)
-    return pids[0], pids[1]
+        _DEAD.append(pid)
+    return _DEAD[0], _DEAD[1]
 
 
 def _in_stripe(table: SlotTable, k: int, pid: int, n: int) -> Any:
@@ -322,14 +325,22 @@ STRIPED_OPS = [
 ]  # evict and repair are wide ops whatever the stripes: the one-stripe table's cases above cover their journal
 
 
+# The cuts run in a lean interpreter (tests/lean.py): each of their hundreds of victims is a fork, which costs about
+# half as much there as from a pytest worker that imported every test module; the body is the same.
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
-def test_an_op_cut_at_any_line_happens_whole_or_not_at_all(dead: tuple[int, int], op: Op) -> None:
-    _cut_everywhere(dead, op, 1)
+def test_an_op_cut_at_any_line_happens_whole_or_not_at_all(lean: LeanProcess, op: Op) -> None:
+    lean.call(__name__, "cut_everywhere", op.name, 1)
 
 
 @pytest.mark.parametrize("op", STRIPED_OPS, ids=[op.name for op in STRIPED_OPS])
-def test_a_striped_op_cut_at_any_line_happens_whole_or_not_at_all(dead: tuple[int, int], op: Op) -> None:
-    _cut_everywhere(dead, op, 2)
+def test_a_striped_op_cut_at_any_line_happens_whole_or_not_at_all(lean: LeanProcess, op: Op) -> None:
+    lean.call(__name__, "cut_everywhere", op.name, 2)
+
+
+def cut_everywhere(name: str, stripes: int) -> None:
+    """The op named ``name`` of the table of ``stripes`` stripes, cut at every line (run in the lean process)."""
+    ops = {op.name: op for op in (OPS if stripes == 1 else STRIPED_OPS)}
+    _cut_everywhere(_dead(), ops[name], stripes)
 
 
 def _cut_everywhere(dead: tuple[int, int], op: Op, stripes: int) -> None:

@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
 from types import FrameType
@@ -52,9 +52,9 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import numpy.typing as npt
-import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from lean import LeanProcess
 from slot_audit import TableSnapshot, lock_is_free, snapshot
 
 from gigashuffle.shm import holders, journal, nodelock, picker, readops, slotmap, slottable, stripes, wideops
@@ -814,15 +814,19 @@ class SlotTableMachine(RuleBasedStateMachine):
         assert set().union(*parts) == self.committed, f"tokens lost: {self.committed - set().union(*parts)}"
 
 
-@pytest.fixture
-def reaped() -> Iterator[None]:
-    """Kill and reap any actor an aborted example left behind (teardown normally does it)."""
-    yield
-    for pid in list(_UNREAPED):
-        os.kill(pid, signal.SIGKILL)
-        _reap(pid)
+def run_machine() -> None:
+    """The machine's examples (run in the lean process); then kill and reap any actor an aborted example left behind
+    (teardown normally does it)."""
+    try:
+        run_state_machine_as_test(SlotTableMachine, settings=SETTINGS)
+    finally:
+        for pid in list(_UNREAPED):
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
     assert not _UNREAPED
 
 
-def test_slot_table_machine(reaped: None) -> None:
-    run_state_machine_as_test(SlotTableMachine, settings=SETTINGS)
+# The examples run in a lean interpreter (tests/lean.py): every actor, and every replacement of a killed one, is a
+# fork, which costs about half as much there as from a pytest worker that imported every test module.
+def test_slot_table_machine(lean: LeanProcess) -> None:
+    lean.call(__name__, "run_machine")
