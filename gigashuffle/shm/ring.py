@@ -12,7 +12,7 @@ import torch
 
 from gigashuffle.schema import INDEX_KEY, Layout
 from gigashuffle.shm.memfd import SharedMemory
-from gigashuffle.shm.rowcopies import _align, _field_offsets, row_elements
+from gigashuffle.shm.rowcopies import _align, _field_offsets, numpy_dtype, row_elements
 
 # NOTE [ Reclaimed ring slots ]
 # A ring slot goes back to its reader once every view of its batch is gone. That moment is the caller's: the last
@@ -58,10 +58,9 @@ def handed_out() -> int:
 
 def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
     """The numpy dtype to cut a field of ``dtype`` as, and the torch dtype to view it as then (None: as cut)."""
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype, None
-    except TypeError:  # no numpy equivalent (bfloat16, float8): cut as the unsigned int of the same size
-        return np.dtype(f"u{dtype.itemsize}"), dtype
+    twin = numpy_dtype(dtype)
+    # No numpy equivalent (bfloat16, float8): cut as the unsigned int of the same size.
+    return (twin, None) if twin is not None else (np.dtype(f"u{dtype.itemsize}"), dtype)
 
 
 # NOTE [ Ring depth ]

@@ -56,13 +56,16 @@ def row_elements(rows: npt.NDArray[np.uint8]) -> npt.NDArray[Any]:
     return elements
 
 
-def _numpy_able(dtype: torch.dtype) -> torch.dtype | None:
-    """None if a tensor of ``dtype`` has a numpy view, else the same-size integer dtype to view it as first."""
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The numpy dtype a tensor of ``dtype`` shows as, or None where numpy has none (bfloat16, float8)."""
     try:
-        torch.empty(0, dtype=dtype).numpy()
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
         return None
-    except TypeError:  # bfloat16, float8, ...: no numpy dtype
-        return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+
+
+# What a tensor of a dtype without a numpy twin is viewed as before ``.numpy()``: the integer of its size.
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ChunkRows:
@@ -82,7 +85,8 @@ class ChunkRows:
         # Per field: where it is; what it must be (dtype, row shape, dimensions); the dtype to view it as for numpy
         # (None: as it is); whether its rows have more than one dimension (flattened first); one row's element dtype.
         self._fields = [
-            (f.group, f.key, f.dtype, f.shape, len(f.shape) + 1, _numpy_able(f.dtype), len(f.shape) > 1,
+            (f.group, f.key, f.dtype, f.shape, len(f.shape) + 1,
+             None if numpy_dtype(f.dtype) is not None else _SAME_SIZE_INTS[f.dtype.itemsize], len(f.shape) > 1,
              _ROW_INTS.get(f.row_bytes) or np.dtype((np.void, f.row_bytes)))
             for f in layout.fields
         ]  # fmt: skip
