@@ -94,7 +94,7 @@ def _bad() -> list[tuple[str, Any, str]]:
         ("extra key", [{"x": x, "y": y, "z": y}], "differ from the first chunk's"),
         ("extra group", [{"x": x, "y": y}, {"z": y}], "differ from the first chunk's"),
         ("not a list", {"x": x, "y": y}, "non-empty list"),
-        ("a 0-d field", [{"x": x, "y": torch.tensor(3)}], ""),
+        ("a 0-d field", [{"x": x, "y": torch.tensor(3)}], "0-d tensor"),
     ]
 
 
