@@ -38,7 +38,7 @@ NUMPY_DTYPES = [
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """Every bit pattern is fair game (NaNs included): comparisons below are on bytes, not values."""
+    """Every bit pattern is fair game (NaNs included): the tests that use it compare bytes, not values."""
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()

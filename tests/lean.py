@@ -15,10 +15,8 @@ Its stdout and stderr are the worker's, so pytest captures them with the test's.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +27,8 @@ from typing import Any
 
 import pytest
 
-_PR_SET_PDEATHSIG = 1
+from gigashuffle.procs.zygote import set_parent_death_signal
+
 STOP_S = 30.0
 
 
@@ -74,11 +73,7 @@ class LeanProcess:
 
 
 def _serve(fd: int, parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # the test process died before the prctl took effect
-        return
+    set_parent_death_signal(parent)  # the loader's children's, exits if the test process is already gone
     conn = Connection(fd)
     while True:
         try:
