@@ -112,7 +112,7 @@ class Batches:
         # section swaps SIGINT's handler in and out (NOTE [ Ctrl-C ] in procs/interrupts.py).
         with critical():
             self._placement.poll()
-            inbox.flush(everything=not inbox.ready)
+            inbox.send_due(everything=not inbox.ready)
             if inbox.ready:
                 self._filled()
                 return self.deliver(*inbox.pop())

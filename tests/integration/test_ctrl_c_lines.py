@@ -35,6 +35,7 @@ TRACED: set[CodeType] = {
     Batches.next_batch.__code__,
     Batches.deliver.__code__,
     Inbox.flush.__code__,
+    Inbox.send_due.__code__,
     Inbox.free.__code__,
     Supervisor._drain.__code__,
     ChildMessages.on_message.__code__,
