@@ -7,7 +7,9 @@ faults, a seeded schedule does one of these at random moments between batches:
   * ``checkpoint``: ``state_dict()``, kept as the latest checkpoint with the rows read before it;
   * ``ctrl_c_checkpoint``: ``state_dict()`` with a SIGINT sent to this process while it runs (a random 0-20 ms
     after the call; the script's own SIGINT handler raises ``KeyboardInterrupt`` only inside that call), then,
-    once it raised or returned, ``state_dict()`` again: the seam where an aborted cut used to poison the next.
+    once it raised or returned, ``state_dict()`` again: the seam where an aborted cut used to poison the next;
+  * ``kill_in_checkpoint``: ``state_dict()`` with a SIGKILL sent to a random writer or reader 0-20 ms after the
+    call (the cut waits for its successor).
 At the end it takes a last checkpoint, closes the loader, resumes that checkpoint in a new one and reads until every
 row of every pass it had begun came, and ``--drain-past`` rows more.
 
@@ -50,7 +52,7 @@ from datasets import ID_STRIDE, PassIds  # noqa: E402  (tests/integration's: the
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402
 
-EVENTS = ("kill_writer", "kill_reader", "checkpoint", "ctrl_c_checkpoint")
+EVENTS = ("kill_writer", "kill_reader", "checkpoint", "ctrl_c_checkpoint", "kill_in_checkpoint")
 # Growth allowed, last sample over first. fds: the Redis client's pool opens a second connection the first time two
 # threads (the trainer's and the heartbeat's) call Redis at once, and keeps it; a leak per fault would pass this
 # within a few faults.
@@ -200,7 +202,10 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.queue = f"soak-{uuid.uuid4().hex[:8]}"
-        self.rng = random.Random(args.seed)
+        # Two streams: the schedule (which fault, and when) is the seed's alone; which child and the signals' delays
+        # draw from the other, whose draws depend on how many children are alive.
+        self.schedule = random.Random(args.seed)
+        self.rng = random.Random(args.seed + 1)
         self.handler = Armed()
         self.read = RowCounts(args.ids)  # rows read by the first loader
         self.counted = RowCounts(args.ids)  # those read before the latest checkpoint
@@ -211,12 +216,14 @@ class Soak:
         self.batches = 0
         self.watchdog = Watchdog(args.stall_s)
 
-    def _state_dict(self, loader: MultiprocessShuffledDataloader, interrupt: bool) -> bool:
-        """A checkpoint, kept with the rows read so far; with ``interrupt``, a SIGINT is sent meanwhile. Returns
-        whether the call raised KeyboardInterrupt."""
+    def _state_dict(self, loader: MultiprocessShuffledDataloader, interrupt: bool = False, victim: int = 0) -> bool:
+        """A checkpoint, kept with the rows read so far; with ``interrupt``, a SIGINT is sent to this process
+        meanwhile, with ``victim``, a SIGKILL to that child (a random 0-20 ms after the call). Returns whether the
+        call raised KeyboardInterrupt."""
         timer = None
-        if interrupt:
-            timer = threading.Timer(self.rng.uniform(0.0, 0.02), os.kill, (os.getpid(), signal.SIGINT))
+        if interrupt or victim:
+            pid, sig = (os.getpid(), signal.SIGINT) if interrupt else (victim, signal.SIGKILL)
+            timer = threading.Timer(self.rng.uniform(0.0, 0.02), os.kill, (pid, sig))
             timer.start()
         self.handler.armed = True
         try:
@@ -231,23 +238,25 @@ class Soak:
         self.watchdog.beat()
         return False
 
-    def _kill(self, loader: MultiprocessShuffledDataloader, role: str) -> None:
-        pids = loader.child_pids(timeout_s=self.args.stall_s)[role]
-        if pids:
-            os.kill(self.rng.choice(pids), signal.SIGKILL)
+    def _child(self, loader: MultiprocessShuffledDataloader, *roles: str) -> int:
+        """A random live child of these roles (0: none)."""
+        pids = [pid for role in roles for pid in loader.child_pids(timeout_s=self.args.stall_s)[role]]
+        return self.rng.choice(pids) if pids else 0
 
     def _event(self, loader: MultiprocessShuffledDataloader) -> None:
-        event = self.rng.choice(EVENTS)
+        event = self.schedule.choice(EVENTS)
         self.events[event] += 1
-        if event == "kill_writer":
-            self._kill(loader, "writer")
-        elif event == "kill_reader":
-            self._kill(loader, "reader")
+        if event in ("kill_writer", "kill_reader"):
+            victim = self._child(loader, event.removeprefix("kill_"))
+            if victim:
+                os.kill(victim, signal.SIGKILL)
         elif event == "checkpoint":
-            self._state_dict(loader, interrupt=False)
+            self._state_dict(loader)
+        elif event == "kill_in_checkpoint":
+            self._state_dict(loader, victim=self._child(loader, "writer", "reader"))
         elif self._state_dict(loader, interrupt=True):
             self.events["ctrl_c_checkpoint_interrupted"] += 1
-            self._state_dict(loader, interrupt=False)
+            self._state_dict(loader)
 
     def _read(self, batches: Any) -> None:
         group = next(batches)[0]
@@ -268,15 +277,15 @@ class Soak:
             self._read(batches)  # the fill: as long as a loaded machine makes it
             self._read_for(batches, args.warmup_s)
             # What the first checkpoint maps for good (the node's slot table) is mapped before the sample.
-            self._state_dict(loader, interrupt=False)
+            self._state_dict(loader)
             self._sample(me)
             until = time.monotonic() + args.seconds
             while time.monotonic() < until or sum(self.events[e] for e in EVENTS) < args.events:
-                self._read_for(batches, self.rng.uniform(0.0, 2 * args.event_s))
+                self._read_for(batches, self.schedule.uniform(0.0, 2 * args.event_s))
                 self._event(loader)
             self._read_for(batches, args.settle_s)
             self._sample(me)
-            self._state_dict(loader, interrupt=False)
+            self._state_dict(loader)
 
     def _read_for(self, batches: Any, seconds: float) -> None:
         until = time.monotonic() + seconds
@@ -344,7 +353,7 @@ class Soak:
         if left:
             failures.append(f"processes left after close: {[(p.pid, p.name()) for p in left]}")
         report = {
-            "seed": args.seed, "way": args.way, "seconds": args.seconds, "batches": self.batches,
+            "seed": args.seed, "way": args.way, "kinds": list(EVENTS), "seconds": args.seconds, "batches": self.batches,
             "rows_before_last_checkpoint": self.counted.total(), "rows_after_resume": after.total(),
             "rows_checked": int(begun.sum()), "events": dict(self.events), "sigint_outside_calls": self.handler.outside,
             "lost": len(lost), "twice": len(twice), "first_sample": first, "growth": growth, "failures": failures,

@@ -18,7 +18,7 @@ SOAK = Path(__file__).with_name("soak.py")
 @pytest.mark.parametrize("way", ["saved", "positions"])
 def test_a_short_soak_loses_nothing_repeats_nothing_and_grows_nothing(redis_url: str, way: str) -> None:
     # A process of its own: the soak installs its own SIGINT handler and sends itself SIGINT.
-    args = ["--seconds", "0", "--events", "16", "--event-s", "0.15", "--seed", "11"]
+    args = ["--seconds", "0", "--events", "16", "--event-s", "0.15", "--seed", "12"]
     args += ["--warmup-s", "1", "--settle-s", "1"]
     result = subprocess.run(
         [sys.executable, str(SOAK), *args, "--way", way, "--redis-url", redis_url],
@@ -30,6 +30,6 @@ def test_a_short_soak_loses_nothing_repeats_nothing_and_grows_nothing(redis_url:
     assert report["failures"] == [], f"{report['failures']}; events {report['events']}"
     assert result.returncode == 0, result.stderr[-3000:]
     assert (report["lost"], report["twice"]) == (0, 0)
-    # The seed's schedule: every kind of fault happened (its first events are fixed; their count is not).
-    assert {"kill_writer", "kill_reader", "checkpoint", "ctrl_c_checkpoint"} <= report["events"].keys(), report
+    # The schedule is the seed's alone: seed 12's first 16 faults are of every kind (4, 4, 3, 2 and 3).
+    assert set(report["kinds"]) <= report["events"].keys(), report
     assert report["rows_checked"] > 0 and report["rows_after_resume"] > 0, report
