@@ -383,8 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-s", type=float, default=120.0, help="a call that takes longer is a hang")
     p.add_argument("--drain-past", type=int, default=512, help="rows read after the last wanted one")
     p.add_argument("--drain-s", type=float, default=300.0, help="the resume's deadline")
+    p.add_argument(
+        "--slow-reader-s", type=float, default=0.0,
+        help="every reader sleeps this long between a draw's release and its announcement (a fail point): the "
+        "window in which a cut's pause crosses a reader's batches",
+    )  # fmt: skip
     args = p.parse_args(argv)
     faulthandler.enable()
+    if args.slow_reader_s:  # read once, by the processes started from now on: procs/failpoints.py
+        os.environ["GIGASHUFFLE_FAILPOINTS"] = f"reader.after_release=1:sleep={args.slow_reader_s}"
     soak = Soak(args)
     signal.signal(signal.SIGINT, soak.handler)
     soak.run_first()
