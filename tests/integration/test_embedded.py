@@ -3,6 +3,9 @@ private server on a unix socket in the runtime dir, later loaders share it, the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,16 +30,42 @@ def _config(tag: str, **overrides: Any) -> DataloaderConfig:
     return DataloaderConfig(**settings)
 
 
-def _servers(socket_path: Path) -> list[psutil.Process]:
-    """Live descendants of this process serving ``socket_path``."""
+def _servers(socket_path: Path, under: psutil.Process | None = None) -> list[psutil.Process]:
+    """Live descendants of this process (or of ``under``) serving ``socket_path``: the server, not its keeper."""
     found = []
-    for proc in psutil.Process().children(recursive=True):
+    for proc in (under or psutil.Process()).children(recursive=True):
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and str(socket_path) in " ".join(proc.cmdline()):
+            if (
+                proc.status() != psutil.STATUS_ZOMBIE
+                and proc.name().endswith("-server")
+                and str(socket_path) in " ".join(proc.cmdline())
+            ):
                 found.append(proc)
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+# A loader of its own process on the embedded default: it says "ready" once it has a batch, then closes when told.
+_OTHER_PROCESS = """
+import sys, uuid
+from datasets import UniqueIds
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+cfg = DataloaderConfig(bs=4, shuffle_size=64, queue_name=f"emb-other-{uuid.uuid4().hex[:8]}", num_writers=1,
+                       num_readers=1)
+with MultiprocessShuffledDataloader(UniqueIds(base=2 * 10**12), cfg) as loader:
+    next(iter(loader))
+    print("ready", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _other_process() -> subprocess.Popen[str]:
+    path = os.pathsep.join([str(Path(__file__).parent), *sys.path])  # datasets.py, and this interpreter's path
+    return subprocess.Popen(
+        [sys.executable, "-c", _OTHER_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -79,6 +108,51 @@ def test_embedded_server_is_started_shared_and_stopped(runtime_dir: Path) -> Non
         first.close()
         if second is not None:
             second.close()
+
+
+@pytest.mark.usefixtures("no_env_url")
+def test_the_server_outlives_the_process_that_started_it_while_another_uses_it(runtime_dir: Path) -> None:
+    """Ranks of a node are processes: the one that started the node's server may end first. The others keep it
+    (once it died with its starter, and they failed after redis_timeout_s); once the last is gone, it stops."""
+    socket_path = runtime_dir / "redis-n0.sock"
+    starter = _other_process()
+    try:
+        assert starter.stdout is not None and starter.stdout.readline().strip() == "ready"
+        (server,) = _servers(socket_path, under=psutil.Process(starter.pid))
+        with MultiprocessShuffledDataloader(UniqueIds(base=0), _config("emb-stay", redis_timeout_s=5.0)) as loader:
+            check_unique_batch(take(iter(loader), 1)[0], 4, 64)
+            starter.communicate("close\n", timeout=120)
+            assert starter.returncode == 0
+            assert loader.processes(), "this loader's processes, read from Redis after the starter is gone"
+            check_unique_batch(take(iter(loader), 1)[0], 4, 64)
+            assert server.is_running() and answers(socket_path), "the starter's exit took the server along"
+        wait_for(lambda: not server.is_running(), "the embedded server to stop after its last user closed")
+        wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+
+
+@pytest.mark.usefixtures("no_env_url")
+def test_a_server_whose_users_were_all_killed_stops(runtime_dir: Path) -> None:
+    """SIGKILLed users release nothing: the keeper sees them gone and stops the server."""
+    socket_path = runtime_dir / "redis-n0.sock"
+    users = [_other_process() for _ in range(2)]
+    try:
+        for user in users:
+            assert user.stdout is not None and user.stdout.readline().strip() == "ready"
+        (server,) = _servers(socket_path, under=psutil.Process(users[0].pid))
+        for user in users:
+            user.kill()
+            user.wait()
+        wait_for(lambda: not server.is_running(), "the embedded server to stop after its users were killed")
+        wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+    finally:
+        for user in users:
+            if user.poll() is None:
+                user.kill()
+                user.wait()
 
 
 @pytest.mark.usefixtures("no_env_url")
