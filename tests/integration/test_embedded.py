@@ -3,6 +3,7 @@ private server on a unix socket in the runtime dir, later loaders share it, the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -58,6 +59,18 @@ with MultiprocessShuffledDataloader(UniqueIds(base=2 * 10**12), cfg) as loader:
     print("ready", flush=True)
     sys.stdin.readline()
 """
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has exited; an orphan this (subreaper) process adopted is reaped."""
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+    except psutil.NoSuchProcess:
+        return True
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(proc.pid, os.WNOHANG)
+    return True
 
 
 def _other_process() -> subprocess.Popen[str]:
@@ -119,15 +132,18 @@ def test_the_server_outlives_the_process_that_started_it_while_another_uses_it(r
     try:
         assert starter.stdout is not None and starter.stdout.readline().strip() == "ready"
         (server,) = _servers(socket_path, under=psutil.Process(starter.pid))
+        keeper = server.parent()
+        assert keeper is not None and keeper.pid != starter.pid, "the server's life is not its starter's"
         with MultiprocessShuffledDataloader(UniqueIds(base=0), _config("emb-stay", redis_timeout_s=5.0)) as loader:
             check_unique_batch(take(iter(loader), 1)[0], 4, 64)
             starter.communicate("close\n", timeout=120)
             assert starter.returncode == 0
             assert loader.processes(), "this loader's processes, read from Redis after the starter is gone"
             check_unique_batch(take(iter(loader), 1)[0], 4, 64)
-            assert server.is_running() and answers(socket_path), "the starter's exit took the server along"
-        wait_for(lambda: not server.is_running(), "the embedded server to stop after its last user closed")
+            assert not _gone(server) and answers(socket_path), "the starter's exit took the server along"
+        wait_for(lambda: _gone(server), "the embedded server to stop after its last user closed")
         wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+        wait_for(lambda: _gone(keeper), "the server's keeper to exit")
     finally:
         if starter.poll() is None:
             starter.kill()
@@ -143,11 +159,13 @@ def test_a_server_whose_users_were_all_killed_stops(runtime_dir: Path) -> None:
         for user in users:
             assert user.stdout is not None and user.stdout.readline().strip() == "ready"
         (server,) = _servers(socket_path, under=psutil.Process(users[0].pid))
+        keeper = server.parent()
         for user in users:
             user.kill()
             user.wait()
-        wait_for(lambda: not server.is_running(), "the embedded server to stop after its users were killed")
+        wait_for(lambda: _gone(server), "the embedded server to stop after its users were killed")
         wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+        wait_for(lambda: _gone(keeper), "the server's keeper to exit")
     finally:
         for user in users:
             if user.poll() is None:
