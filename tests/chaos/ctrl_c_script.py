@@ -30,12 +30,16 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared handler below
+from sigint_gate import Gate
 
 
 class Rows(IterableDataset):  # type: ignore[type-arg]
@@ -46,21 +50,6 @@ class Rows(IterableDataset):  # type: ignore[type-arg]
         while True:
             yield [{"id": torch.arange(base + n, base + n + 16, dtype=torch.int64)}]
             n += 16
-
-
-class Gate:
-    """The script's SIGINT handler: raise only while ``armed`` (inside a loader call), else count a stray one."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.raised = 0
-        self.stray = 0
-
-    def __call__(self, signum: int, frame: object) -> None:
-        if self.armed:
-            self.raised += 1
-            raise KeyboardInterrupt
-        self.stray += 1
 
 
 def storm(url: str, queue: str, storm_s: float, deadline_s: float) -> None:

@@ -49,6 +49,7 @@ import psutil
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_TESTS / "integration"), str(_TESTS)]
 from datasets import ID_STRIDE, PassIds  # noqa: E402  (tests/integration's: the path above)
+from sigint_gate import Gate  # noqa: E402  (tests/)
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402
 
@@ -104,22 +105,6 @@ class RowCounts:
 
     def row(self, index: int) -> Row:
         return index // (2 * self.ids), (index // self.ids) % 2 * ID_STRIDE + index % self.ids
-
-
-class Armed:
-    """The script's own SIGINT handler: ``KeyboardInterrupt`` only while armed (inside the call under test), so
-    that an interrupt never lands in this script's bookkeeping; the others are counted."""
-
-    def __init__(self) -> None:
-        self.armed = False
-        self.raised = 0
-        self.outside = 0
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.armed:
-            self.raised += 1
-            raise KeyboardInterrupt
-        self.outside += 1
 
 
 def _sample(me: psutil.Process) -> dict[str, int]:
@@ -206,7 +191,7 @@ class Soak:
         # draw from the other, whose draws depend on how many children are alive.
         self.schedule = random.Random(args.seed)
         self.rng = random.Random(args.seed + 1)
-        self.handler = Armed()
+        self.handler = Gate()
         self.read = RowCounts(args.ids)  # rows read by the first loader
         self.counted = RowCounts(args.ids)  # those read before the latest checkpoint
         self.checkpoint: dict[str, Any] | None = None
@@ -355,7 +340,7 @@ class Soak:
         report = {
             "seed": args.seed, "way": args.way, "kinds": list(EVENTS), "seconds": args.seconds, "batches": self.batches,
             "rows_before_last_checkpoint": self.counted.total(), "rows_after_resume": after.total(),
-            "rows_checked": int(begun.sum()), "events": dict(self.events), "sigint_outside_calls": self.handler.outside,
+            "rows_checked": int(begun.sum()), "events": dict(self.events), "sigint_outside_calls": self.handler.stray,
             "lost": len(lost), "twice": len(twice), "first_sample": first, "growth": growth, "failures": failures,
         }  # fmt: skip
         return report, failures
