@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,30 @@ def _gone(proc: psutil.Process) -> bool:
     return True
 
 
-def _other_process() -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _other_processes(n: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """``n`` processes with a loader each on the embedded default, each with a batch in hand; killed at the end if
+    still running."""
     path = os.pathsep.join([str(Path(__file__).parent), *sys.path])  # datasets.py, and this interpreter's path
-    return subprocess.Popen(
-        [sys.executable, "-c", _OTHER_PROCESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": path},
-    )  # fmt: skip
+    command, env = [sys.executable, "-c", _OTHER_PROCESS], {**os.environ, "PYTHONPATH": path}
+    users = [
+        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)
+    ]
+    try:
+        for user in users:
+            assert user.stdout is not None and user.stdout.readline().strip() == "ready"
+        yield users
+    finally:
+        for user in users:
+            if user.poll() is None:
+                user.kill()
+                user.wait()
+
+
+def _wait_stopped(server: psutil.Process, keeper: psutil.Process, socket_path: Path, after: str) -> None:
+    wait_for(lambda: _gone(server), f"the embedded server to stop after {after}")
+    wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+    wait_for(lambda: _gone(keeper), "the server's keeper to exit")
 
 
 @pytest.fixture
@@ -128,9 +147,7 @@ def test_the_server_outlives_the_process_that_started_it_while_another_uses_it(r
     """Ranks of a node are processes: the one that started the node's server may end first. The others keep it
     (once it died with its starter, and they failed after redis_timeout_s); once the last is gone, it stops."""
     socket_path = runtime_dir / "redis-n0.sock"
-    starter = _other_process()
-    try:
-        assert starter.stdout is not None and starter.stdout.readline().strip() == "ready"
+    with _other_processes(1) as (starter,):
         (server,) = _servers(socket_path, under=psutil.Process(starter.pid))
         keeper = server.parent()
         assert keeper is not None and keeper.pid != starter.pid, "the server's life is not its starter's"
@@ -141,37 +158,22 @@ def test_the_server_outlives_the_process_that_started_it_while_another_uses_it(r
             assert loader.processes(), "this loader's processes, read from Redis after the starter is gone"
             check_unique_batch(take(iter(loader), 1)[0], 4, 64)
             assert not _gone(server) and answers(socket_path), "the starter's exit took the server along"
-        wait_for(lambda: _gone(server), "the embedded server to stop after its last user closed")
-        wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
-        wait_for(lambda: _gone(keeper), "the server's keeper to exit")
-    finally:
-        if starter.poll() is None:
-            starter.kill()
-            starter.wait()
+        _wait_stopped(server, keeper, socket_path, "its last user closed")
 
 
 @pytest.mark.usefixtures("no_env_url")
 def test_a_server_whose_users_were_all_killed_stops(runtime_dir: Path) -> None:
     """SIGKILLed users release nothing: the keeper sees them gone and stops the server."""
     socket_path = runtime_dir / "redis-n0.sock"
-    users = [_other_process() for _ in range(2)]
-    try:
-        for user in users:
-            assert user.stdout is not None and user.stdout.readline().strip() == "ready"
+    with _other_processes(2) as users:
         # Either may have started it: they came up together.
         (server,) = [found for user in users for found in _servers(socket_path, under=psutil.Process(user.pid))]
         keeper = server.parent()
+        assert keeper is not None
         for user in users:
             user.kill()
             user.wait()
-        wait_for(lambda: _gone(server), "the embedded server to stop after its users were killed")
-        wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
-        wait_for(lambda: _gone(keeper), "the server's keeper to exit")
-    finally:
-        for user in users:
-            if user.poll() is None:
-                user.kill()
-                user.wait()
+        _wait_stopped(server, keeper, socket_path, "its users were killed")
 
 
 @pytest.mark.usefixtures("no_env_url")
