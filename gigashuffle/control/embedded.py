@@ -94,8 +94,12 @@ class EmbeddedServer:
     process: subprocess.Popen[bytes] | None  # the keeper, in the process that started the server
 
 
+def _lock_path(directory: Path, node: str) -> str:
+    return str(directory / f"redis-{node}.lock")
+
+
 def _node_lock(directory: Path, node: str) -> contextlib.AbstractContextManager[None]:
-    return keeper.node_lock(str(directory / f"redis-{node}.lock"))
+    return keeper.node_lock(_lock_path(directory, node))
 
 
 def _client(path: Path) -> redis.Redis:
@@ -125,8 +129,7 @@ def _start(path: Path, directory: Path) -> subprocess.Popen[bytes]:
         # faster: an expired key is gone to whoever reads it, and there are no client timeouts or replicas.
         "--hz", "1",
     ]  # fmt: skip
-    node = path.stem.removeprefix("redis-")
-    lock = str(directory / f"redis-{node}.lock")
+    lock = _lock_path(directory, path.stem.removeprefix("redis-"))
     process = subprocess.Popen(
         [sys.executable, "-c", keeper.RUN, _PACKAGE_PARENT, str(path), lock, server_binary(), *args],
         stdin=subprocess.DEVNULL,

@@ -2,7 +2,7 @@
 (NOTE [ Embedded server ] in control/embedded.py).
 
 Started by ``embedded.acquire`` as ``python -c RUN <package parent> <socket> <lock> <server argv...>``; a module of
-the standard library, redis-py and two small modules of this package (no torch), so it costs an interpreter start
+the standard library, redis-py and a few small modules of this package (no torch), so it costs an interpreter start
 and a check a second.
 """
 
@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from gigashuffle.control.keys import EMBEDDED_USERS
+from gigashuffle.control.plane import text
 from gigashuffle.host.pids import pid_alive, process_start
 
 CHECK_S = 1.0  # how often the keeper looks for live users (and how soon it sees its server exit: at once)
@@ -68,7 +69,7 @@ def node_lock(lock_path: str) -> Iterator[None]:
 
 def forget_dead(server: redis.Redis) -> int:
     """Remove the users whose processes are gone; returns how many live ones are left. Under the node lock."""
-    users = [u.decode() if isinstance(u, bytes) else str(u) for u in server.smembers(EMBEDDED_USERS)]
+    users = [text(u) for u in server.smembers(EMBEDDED_USERS)]
     dead = [u for u in users if not user_alive(u)]
     if dead:
         server.srem(EMBEDDED_USERS, *dead)
