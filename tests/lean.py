@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from gigashuffle.procs.zygote import set_parent_death_signal
+from gigashuffle.host.parentdeath import set_parent_death_signal
 
 STOP_S = 30.0
 

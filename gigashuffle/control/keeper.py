@@ -9,7 +9,6 @@ and a check a second.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import signal
@@ -23,10 +22,10 @@ from redis.retry import Retry
 
 from gigashuffle.control.keys import EMBEDDED_USERS
 from gigashuffle.control.plane import text
+from gigashuffle.host.parentdeath import set_parent_death_signal
 from gigashuffle.host.pids import pid_alive, process_start
 
 CHECK_S = 1.0  # how often the keeper looks for live users (and how soon it sees its server exit: at once)
-_PR_SET_PDEATHSIG = 1
 # What ``python -c`` runs: the keeper with the starting process's package on its path (a checkout on PYTHONPATH or
 # added to sys.path by a script is not on the keeper's own).
 RUN = "import sys; sys.path.insert(0, sys.argv[1]); from gigashuffle.control.keeper import main; main(sys.argv[2:])"
@@ -76,18 +75,16 @@ def forget_dead(server: redis.Redis) -> int:
     return len(users) - len(dead)
 
 
-def _die_with_keeper() -> None:  # the server's preexec_fn: a SIGKILLed keeper takes its server along
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 def main(argv: list[str]) -> None:
     socket_path, lock_path, *server_argv = argv
-    # preexec_fn is safe here: the keeper runs one thread.
+    keeper = os.getpid()
+    # preexec_fn is safe here: the keeper runs one thread. A SIGKILLed keeper takes its server along, by SIGTERM:
+    # the server then unlinks its socket file.
     server = subprocess.Popen(
         server_argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        preexec_fn=_die_with_keeper,  # noqa: PLW1509
+        preexec_fn=lambda: set_parent_death_signal(keeper, signal.SIGTERM),  # noqa: PLW1509
     )
     probe = client(socket_path)
     try:

@@ -15,7 +15,6 @@ trainer, which owns all recovery decisions.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing.spawn
 import os
@@ -24,22 +23,13 @@ import socket
 import sys
 from typing import Any
 
+from gigashuffle.host.parentdeath import set_parent_death_signal
 from gigashuffle.procs.channel import Channel, ChannelClosed
 from gigashuffle.procs.messages import Exited, Kill, Spawn, Spawned
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_PR_SET_PDEATHSIG = 1
-
-
-def set_parent_death_signal(expected_parent: int) -> None:
-    """Die with SIGKILL when the parent dies; exit now if it already has (the race before prctl)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != expected_parent:
-        os._exit(1)
 
 
 def _reap(trainer: Channel, children: dict[int, int]) -> None:
