@@ -126,7 +126,8 @@ def _singleton_pids() -> set[int]:
     return {pid for pid in pids if isinstance(pid, int)}
 
 
-def _open_fds() -> frozenset[tuple[int, str]]:
+def open_fds() -> frozenset[tuple[int, str]]:
+    """This process's fds and what each points at, less those of multiprocessing's per-interpreter helpers."""
     fd_dir = "/proc/self/fd"
     skip = _singleton_fds()
     found = set()
@@ -143,7 +144,7 @@ def _open_fds() -> frozenset[tuple[int, str]]:
 def memfd_fds() -> frozenset[int]:
     """This process's fds on memfds of any name: what a test that hands memfds around checks it closed. Other fds
     are left out, since a thread of the test (an attach server) may still be closing a socket it just used."""
-    return frozenset(fd for fd, target in _open_fds() if target.startswith("/memfd:"))
+    return frozenset(fd for fd, target in open_fds() if target.startswith("/memfd:"))
 
 
 def _own_children() -> set[int]:
@@ -236,7 +237,7 @@ def snapshot(
     return Snapshot(
         shm=shm,
         semaphores=sems,
-        fds=_open_fds(),
+        fds=open_fds(),
         children=_children(),
         sockets=_socket_files(runtime_dir) if runtime_dir is not None else frozenset(),
         redis_keys=keys,

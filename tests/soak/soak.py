@@ -49,6 +49,7 @@ import psutil
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_TESTS / "integration"), str(_TESTS)]
 from datasets import ID_STRIDE, PassIds  # noqa: E402  (tests/integration's: the path above)
+from leaks import open_fds  # noqa: E402  (tests/)
 from sigint_gate import Gate  # noqa: E402  (tests/)
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402
@@ -147,14 +148,7 @@ def _fd_targets() -> collections.Counter[str]:
         c.fd: f"socket {c.family.name} {c.type.name} to {c.raddr or '-'}"
         for c in psutil.Process().net_connections("all")
     }
-    targets: collections.Counter[str] = collections.Counter()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own fd, closed by now
-            continue
-        targets[sockets.get(int(fd)) or (target.split(":[")[0] if ":[" in target else target)] += 1
-    return targets
+    return collections.Counter(sockets.get(fd) or target.split(":[")[0] for fd, target in open_fds())
 
 
 class Watchdog:
