@@ -86,12 +86,9 @@ def take(
     timeout_s: float,
     handed: Sequence[tuple[ChildProcess, int]] = (),
 ) -> tuple[list[DatasetState], RowBlock]:
-    """Checkpoint ``number``'s cut (``CutState.next_number``): pause this rank's writers and readers (and, through
-    the node barrier, wait for the node's other ranks to pause theirs), read the states and the undelivered rows,
-    resume them. ``handed``: unconsumed batches found in their ring slots (checkpoints by positions).
-
-    The whole cut is one blocking section (NOTE [ Ctrl-C ] in procs/interrupts.py): a Ctrl-C is raised only where
-    the cut waits (``_pump``), so its cleanup (every child resumed, the cut's state ended) always runs, whole."""
+    """Checkpoint ``number``'s cut (``CutState.next_number``; ``handed``: unconsumed batches found in their ring
+    slots, by positions), in one blocking section (NOTE [ Ctrl-C ] in procs/interrupts.py): a Ctrl-C is raised only
+    where the cut waits (``_pump``), so its cleanup (every child resumed, the cut's state ended) runs whole."""
     with critical(blocking=True):
         return _take(sup, cuts, config, number, timeout_s, handed)
 
@@ -118,6 +115,7 @@ def _take(
     barrier = _barrier(sup, config) if pause else None
     readers = _ReaderPause(sup, cuts, config, number)
     marks: list[tuple[str, float]] = []
+    copied = False  # past its copy this rank may be at COPIED for the node's others: it never gives the cut up then
     try:
         # Readers are asked with the writers, not after them: the two waits overlap (a writer putting saved rows
         # back still answers when paused readers leave it no empty slot: it sends the rows left with its state).
@@ -138,6 +136,7 @@ def _take(
         readers.resume()  # the node delivers again; its writers stay held until every rank copied
         rows = listed.copy()
         marks.append(("copy", time.monotonic()))
+        copied = True
         _wait(sup, barrier, number, cutbarrier.COPIED, deadline)
         return coverage.rebased(answers), rows
     finally:
@@ -148,6 +147,8 @@ def _take(
             if sup.go:
                 sup.send_to_writers(Go())  # writers started during the cut started held
         cuts.end(started, readers.resumed_at, _parts(started, marks))
+        if barrier is not None and not copied:
+            barrier.give_up(number)  # the node's others fail now, not after WAIT_S (NOTE [ Node cut ])
 
 
 def _table_for_cut(sup: Supervisor, config: DataloaderConfig, deadline: float) -> None:
@@ -179,9 +180,8 @@ def _barrier(sup: Supervisor, config: DataloaderConfig) -> NodeBarrier | None:
     """The node barrier, or None for a node of one rank (nothing to wait for)."""
     if config.local_world_size == 1:
         return None
-    session = sup.session
-    return NodeBarrier(session.store, config.queue_name, config.global_rank, config.local_rank,
-                       config.local_world_size, session.token)  # fmt: skip
+    return NodeBarrier(sup.session.store, config.queue_name, config.global_rank, config.local_rank,
+                       config.local_world_size, sup.session.token)  # fmt: skip
 
 
 def _wait(sup: Supervisor, barrier: NodeBarrier | None, number: int, phase: int, deadline: float) -> None:

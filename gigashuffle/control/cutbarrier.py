@@ -22,26 +22,35 @@ job (one of the same generation whose claims lapsed and were taken over) never s
 in the key keeps earlier sessions out, and the TTL (refreshed at every arrival) drops the hash once cuts stop. A rank
 that does not arrive within ``WAIT_S`` fails the checkpoint of every other rank with a ``CheckpointError`` that
 names it and where it was; no rank resumes its writers before every rank copied, so a failed cut saves nothing
-inconsistent (a rank that arrives late finds the others' later phase missing and fails too). A poll is one Redis
+inconsistent (a rank that arrives late finds the others' later phase missing and fails too). A rank whose cut fails
+before it arrived at ``COPIED`` (a Ctrl-C, a writer that never answered, a barrier's own timeout) records phase 0,
+``GAVE_UP``, for that cut: the node's other ranks at that cut fail at their next poll with a ``CheckpointError``
+that names it, instead of waiting ``WAIT_S`` for a rank that is not coming (they would fail then anyway: this only
+makes it sooner). It never fails a cut that could have completed: a rank that gave up never arrives at that cut's
+``COPIED``. A poll is one Redis
 call (~0.1 ms); it starts at 0.5 ms and backs off to 20 ms, so a node's ranks leave a barrier within a millisecond
 of the last arrival while they arrive together.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gigashuffle.control import lua
 from gigashuffle.control.client import address, run_script
 from gigashuffle.control.plane import ControlPlane, text
-from gigashuffle.errors import CheckpointError
+from gigashuffle.errors import CheckpointError, GigashuffleError
 
-PAUSED, LISTED, COPIED = 1, 2, 3
+log = logging.getLogger(__name__)
+
+GAVE_UP, PAUSED, LISTED, COPIED = 0, 1, 2, 3
 _PHASES = {PAUSED: "paused its writers and readers", LISTED: "listed the rows it saves", COPIED: "copied its rows"}
 WAIT_S = 60.0  # how long a rank waits for the node's other ranks at one barrier
 TTL_MS = 600_000  # the cut hash outlives a node's checkpoints by ten minutes
 _FIRST_POLL_S, _LAST_POLL_S = 0.0005, 0.02
+_AHEAD_STATUS, _GAVE_UP_STATUS = 1, 2  # lua.CUT_ARRIVE's status of a rank that has not arrived
 
 
 @dataclass
@@ -69,8 +78,16 @@ class NodeBarrier:
         args = [self.local_rank, self.token, cut, phase, TTL_MS, COPIED]
         reply = run_script(self._script, [keys.cut(self.store.generation), *claims], args, self._where)
         missing = {int(reply[i]): text(reply[i + 1]) for i in range(0, len(reply), 3)}
-        ahead = [int(reply[i]) for i in range(0, len(reply), 3) if int(reply[i + 2])]
-        if ahead:
+        status = {int(reply[i]): int(reply[i + 2]) for i in range(0, len(reply), 3)}
+        gave_up = [first + r for r, s in status.items() if s == _GAVE_UP_STATUS]
+        if gave_up and phase != GAVE_UP:
+            raise CheckpointError(
+                f"queue {self.queue!r} rank {self.global_rank}: checkpoint {cut} cannot complete: global ranks "
+                f"{gave_up} of this node gave it up (their state_dict() raised before the cut was done; see their "
+                "log); nothing was saved. Call state_dict() again on every rank"
+            )
+        ahead = [r for r, s in status.items() if s == _AHEAD_STATUS]
+        if ahead and phase != GAVE_UP:
             where = ", ".join(f"global rank {first + r} at checkpoint {missing[r].split(' ', 1)[0]}" for r in ahead)
             raise CheckpointError(
                 f"queue {self.queue!r} rank {self.global_rank}: this is checkpoint {cut} of this loader, but {where}: "
@@ -78,6 +95,15 @@ class NodeBarrier:
                 "too, must call it at the same steps); nothing was saved"
             )
         return missing
+
+    def give_up(self, cut: int) -> None:
+        """Record that this rank's ``cut`` failed before it copied: the others waiting in it fail at once. Never
+        raises (it runs on the way out of a failed cut): without Redis the others fail after ``WAIT_S``."""
+        try:
+            self.arrive(cut, GAVE_UP)
+        except GigashuffleError as exc:
+            log.warning("queue %r rank %d: could not tell the node's other ranks that checkpoint %d failed here (%s);"
+                        " theirs fails after %.0f s", self.queue, self.global_rank, cut, exc, WAIT_S)  # fmt: skip
 
     def wait(
         self, cut: int, phase: int, deadline: float, pump: Callable[[float], None], now: Callable[[], float]

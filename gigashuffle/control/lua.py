@@ -129,31 +129,33 @@ return 0
 
 CUT_ARRIVE = """
 -- KEYS: the node's cut hash (of this generation), then the claim of every local rank of the node, in local-rank order
--- ARGV: my local rank, my claim token, cut number, phase, TTL ms, the last phase
+-- ARGV: my local rank, my claim token, cut number, phase (0: I gave this cut up), TTL ms, the last phase
 -- Records that this trainer reached (cut, phase) of the node's checkpoint cut (NOTE [ Node cut ] in
--- control/cutbarrier.py) and returns, for every local rank that has not, {local rank, its entry or '', ahead}. An
+-- control/cutbarrier.py) and returns, for every local rank that has not, {local rank, its entry or '', status}. An
 -- entry '<cut> <phase> <token>' counts only while its token holds that rank's claim now: a dead trainer's, or an
 -- earlier job's whose claim lapsed or was taken over, does not. A later cut counts as past the last phase of an
 -- earlier one (that rank left it and began the next); before the last phase no rank can be at a later cut unless
--- the ranks numbered their checkpoints differently: such a live entry is returned with ahead = 1.
+-- the ranks numbered their checkpoints differently: such a live entry has status 1. A live entry of this cut at
+-- phase 0 (that rank's state_dict() failed before it copied) has status 2: this cut cannot complete.
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 local cut, phase, last = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
 local missing = {}
 for i = 2, #KEYS do
   local entry = redis.call('HGET', KEYS[1], tostring(i - 2))
-  local ok, ahead = false, 0
+  local ok, status = false, 0
   if entry then
     local c, p, token = string.match(entry, '^(%d+) (%d+) (.*)$')
     c, p = tonumber(c), tonumber(p)
     local live = c ~= nil and redis.call('GET', KEYS[i]) == token
-    ok = live and ((c > cut and phase == last) or (c == cut and p >= phase))
-    if live and c > cut and phase ~= last then ahead = 1 end
+    ok = live and ((c > cut and phase == last) or (c == cut and p >= phase and p > 0))
+    if live and c > cut and phase ~= last then status = 1 end
+    if live and c == cut and p == 0 then status = 2 end
   end
   if not ok then
     missing[#missing + 1] = i - 2
     missing[#missing + 1] = entry or ''
-    missing[#missing + 1] = ahead
+    missing[#missing + 1] = status
   end
 end
 return missing

@@ -96,6 +96,44 @@ def test_a_rank_that_never_calls_state_dict_fails_the_others_checkpoint(
         assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
 
 
+def test_a_rank_that_gave_its_cut_up_fails_the_others_waits_at_once(node: tuple[ControlPlane, str]) -> None:
+    """A rank whose state_dict() raised before it copied records phase 0 for that cut: the others at that cut fail at
+    their next arrival (not WAIT_S later), naming it; its next cut, or a dead trainer's entry, is no such sign."""
+    store, _ = node
+    assert set(_barrier(store, 0).arrive(2, PAUSED)) == {1, 2}
+    _barrier(store, 1).give_up(2)
+    for local, phase in ((0, PAUSED), (2, PAUSED), (0, LISTED)):
+        with pytest.raises(CheckpointError, match=r"checkpoint 2 cannot complete: global ranks \[5\] .* gave it up"):
+            _barrier(store, local).arrive(2, phase)
+    assert _barrier(store, 0).arrive(1, COPIED) == {}, "a rank at a later cut left the earlier one whole"
+    _barrier(store, 1).arrive(3, PAUSED)  # its next checkpoint
+    _barrier(store, 2, token="old").give_up(3)  # of a trainer whose claim is gone: only missing
+    assert set(_barrier(store, 0).arrive(3, PAUSED)) == {2}
+
+
+def test_a_rank_whose_checkpoint_failed_fails_the_others_at_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of a node of two calls state_dict() first and gives up waiting for rank 0 (WAIT_S is short here);
+    rank 0's call of the same checkpoint then fails at its first barrier, naming rank 1, rather than waiting for a
+    rank that is not coming. Both loaders read on."""
+    monkeypatch.setattr(cutbarrier, "WAIT_S", 1.0)
+    queue = f"cbg-{uuid.uuid4().hex[:8]}"
+    common: dict[str, Any] = dict(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1,
+                                  local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
+    with (
+        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(**common)) as rank0,
+        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(local_rank=1, global_rank=1, **common)) as rank1,
+    ):
+        it0, it1 = iter(rank0), iter(rank1)
+        take(it0, 2), take(it1, 2)
+        with pytest.raises(CheckpointError, match=r"global rank 0 \(local rank 0: never took part in a cut\)"):
+            rank1.state_dict()
+        with pytest.raises(CheckpointError, match=r"checkpoint 1 cannot complete: global ranks \[1\] of this node"):
+            rank0.state_dict()
+        assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+
+
 def test_a_mode_that_reads_rows_more_than_once_says_once_what_its_checkpoint_leaves_out(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

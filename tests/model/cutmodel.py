@@ -815,8 +815,9 @@ def _skipped(cfg: Config, pc: str) -> bool:
 
 
 def _barrier_missing(cfg: Config, w: World, rank: int, number: int, phase: int) -> bool:
-    """lua.CUT_ARRIVE (control/lua.py:130-155): an entry counts if its cut is later, or the same and its phase is
-    at least this one."""
+    """lua.CUT_ARRIVE (control/lua.py:130-162): an entry counts if its cut is later, or the same and its phase is
+    at least this one. (A rank that gave its cut up, phase 0, fails the others' waits at their next poll: the
+    "barrier timeout" move below, taken at once, so the model's timeout covers it.)"""
     return any(
         r != rank and not (cut > number or (cut == number and p >= phase)) for r, (cut, p) in enumerate(w.barrier)
     )

@@ -66,19 +66,20 @@ Row = tuple[int, int]  # (pass, id)
 class RowCounts:
     """How often each (pass, id) came, in one byte each: a dict of a million rows would be the RSS growth measured."""
 
-    def __init__(self, ids: int) -> None:
-        self.ids = ids
+    def __init__(self, ids: int, writers: int = 2) -> None:
+        self.ids, self.writers = ids, writers  # writers: of the job (their get_worker_info().id number the ids)
         self.counts = np.zeros(0, dtype=np.uint8)
 
     def index(self, passes: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
         """Where rows (pass, id) are counted."""
-        return (passes * 2 + row_ids // ID_STRIDE) * self.ids + row_ids % ID_STRIDE
+        return (passes * self.writers + row_ids // ID_STRIDE) * self.ids + row_ids % ID_STRIDE
 
     def add(self, where: np.ndarray) -> int:
         """Count rows (``index``); returns how many of them had come before."""
         if len(where) and where.max() >= len(self.counts):
             size = max(2 * len(self.counts), int(where.max()) + 1)
-            grown = np.zeros(-(-size // (2 * self.ids)) * 2 * self.ids, dtype=np.uint8)  # whole passes
+            per_pass = self.writers * self.ids
+            grown = np.zeros(-(-size // per_pass) * per_pass, dtype=np.uint8)  # whole passes
             grown[: len(self.counts)] = self.counts
             self.counts = grown
         again = int(np.count_nonzero(self.counts[where]))
@@ -86,7 +87,7 @@ class RowCounts:
         return again + len(where) - len(np.unique(where))
 
     def copy(self) -> RowCounts:
-        other = RowCounts(self.ids)
+        other = RowCounts(self.ids, self.writers)
         other.counts = self.counts.copy()
         return other
 
@@ -96,8 +97,8 @@ class RowCounts:
     def begun(self) -> np.ndarray:
         """Whether each counted place is a row of a pass its writer had begun: any row of it, or of a later one,
         counted (the writers' passes run apart: a writer started again often is passes behind the other)."""
-        by_pass = self.counts.reshape(-1, 2, self.ids)  # whole passes: the array grows by pass-sized doublings
-        last = [np.flatnonzero(by_pass[:, w].any(axis=1)) for w in range(2)]
+        by_pass = self.counts.reshape(-1, self.writers, self.ids)  # whole passes: the array grows by whole passes
+        last = [np.flatnonzero(by_pass[:, w].any(axis=1)) for w in range(self.writers)]
         mask = np.zeros_like(by_pass, dtype=bool)
         for w, seen in enumerate(last):
             if len(seen):
@@ -105,7 +106,7 @@ class RowCounts:
         return mask.reshape(-1)
 
     def row(self, index: int) -> Row:
-        return index // (2 * self.ids), (index // self.ids) % 2 * ID_STRIDE + index % self.ids
+        return index // (self.writers * self.ids), (index // self.ids) % self.writers * ID_STRIDE + index % self.ids
 
 
 def _sample(me: psutil.Process) -> dict[str, int]:
