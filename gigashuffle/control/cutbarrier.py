@@ -27,9 +27,8 @@ before it arrived at ``COPIED`` (a Ctrl-C, a writer that never answered, a barri
 ``GAVE_UP``, for that cut: the node's other ranks at that cut fail at their next poll with a ``CheckpointError``
 that names it, instead of waiting ``WAIT_S`` for a rank that is not coming (they would fail then anyway: this only
 makes it sooner). It never fails a cut that could have completed: a rank that gave up never arrives at that cut's
-``COPIED``. A poll is one Redis
-call (~0.1 ms); it starts at 0.5 ms and backs off to 20 ms, so a node's ranks leave a barrier within a millisecond
-of the last arrival while they arrive together.
+``COPIED``. A poll is one Redis call (~0.1 ms); it starts at 0.5 ms and backs off to 20 ms, so a node's ranks leave
+a barrier within a millisecond of the last arrival while they arrive together.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
@@ -68,6 +69,7 @@ from soak import (  # noqa: E402  (the path above)
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402  (the path above)
 from gigashuffle.errors import CheckpointError  # noqa: E402  (the path above)
+from gigashuffle.host.parentdeath import set_parent_death_signal  # noqa: E402  (the path above)
 
 NODE_EVENTS = (*EVENTS, "ctrl_c_one_rank")
 _RETAKES = 4  # calls of one checkpoint on every rank before the soak gives up on it
@@ -79,6 +81,7 @@ class Node:
 
     def __init__(self, ctx: Any, ranks: int) -> None:
         self.ranks = ranks
+        self.parent = os.getpid()  # a rank dies with it (a killed soak leaves no rank reading on)
         self.barrier = ctx.Barrier(ranks)
         self.ok = ctx.Array("b", ranks)
         self.results = ctx.Queue()
@@ -223,19 +226,40 @@ class Rank:
         ]
         if growth["rss"] > RSS_SLACK_BYTES:
             failures.append(f"rank {self.rank}: its RSS (less the row counts) grew by {growth['rss'] >> 20} MiB")
-        until = time.monotonic() + 15.0  # the embedded server's keeper exits once it stopped the server
-        while (left := psutil.Process().children(recursive=True)) and time.monotonic() < until:
+        # The embedded server's keeper is a child of the rank that started the server, and exits once the node's last
+        # user stopped it: when that was another rank, it waits here as a zombie (reaped, and counted). While another
+        # job of this machine uses the server (another soak), the keeper and its server go on: not this run's.
+        until, reaped = time.monotonic() + 15.0, 0
+        while (left := _left_children()) and time.monotonic() < until:
+            for child in left:
+                with contextlib.suppress(psutil.NoSuchProcess, ChildProcessError):
+                    if child.ppid() == os.getpid() and child.status() == psutil.STATUS_ZOMBIE:
+                        reaped += os.waitpid(child.pid, os.WNOHANG)[0] == child.pid
             time.sleep(0.1)
         if left:
             failures.append(f"rank {self.rank}: processes left after close: {[(p.pid, p.name()) for p in left]}")
         return {
             "rank": self.rank, "read": self.read.counts, "counted": self.counted.counts, "part": self.part,
             "events": dict(self.events), "errors": self.errors, "growth": growth, "failures": failures,
-            "stray_sigint": self.handler.stray,
+            "stray_sigint": self.handler.stray, "zombies_reaped": reaped,
         }  # fmt: skip
 
 
+def _left_children() -> list[psutil.Process]:
+    """This process's descendants, less a live embedded server and its keeper (shared by the machine's jobs)."""
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            shared = child.status() != psutil.STATUS_ZOMBIE and any(
+                "gigashuffle.control.keeper" in part or part.endswith("-server") for part in child.cmdline()[:3]
+            )
+            if not shared:
+                left.append(child)
+    return left
+
+
 def _first(args: argparse.Namespace, rank: int, queue: str, node: Node) -> None:
+    set_parent_death_signal(node.parent)
     faulthandler.enable()
     soak = Rank(args, rank, queue, node)
     signal.signal(signal.SIGINT, soak.handler)
@@ -246,6 +270,7 @@ def _first(args: argparse.Namespace, rank: int, queue: str, node: Node) -> None:
 
 def _resumed(args: argparse.Namespace, rank: int, queue: str, node: Node, checkpoint: dict[str, Any]) -> None:
     """A rank of the resumed job: sends the parent its rows until the parent says stop."""
+    set_parent_death_signal(node.parent)
     faulthandler.enable()
     counts = RowCounts(args.ids, 2 * args.ranks)
     with MultiprocessShuffledDataloader(PassIds(args.ids, args.chunk), _config(args, queue, rank)) as loader:
@@ -309,7 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-past", type=int, default=512)
     p.add_argument("--drain-s", type=float, default=300.0, help="the resume's deadline")
     p.add_argument("--deadline-s", type=float, default=7200.0, help="the whole run's")
+    p.add_argument(
+        "--failpoints", default="",
+        help="GIGASHUFFLE_FAILPOINTS for every process of the node (procs/failpoints.py), e.g. "
+        "'cut.before_buffer_copy=1:sleep=0.05': local rank 0's copy in every cut that slow (a slow step the node "
+        "barrier must wait for)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.failpoints:  # read once by every process started from now on (the ranks are spawned)
+        os.environ["GIGASHUFFLE_FAILPOINTS"] = args.failpoints
     ctx = mp.get_context("spawn")  # fresh interpreters, as torchrun's ranks are
     deadline = time.monotonic() + args.deadline_s
     queue, node = f"nodesoak-{uuid.uuid4().hex[:8]}", Node(ctx, args.ranks)
@@ -336,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     begun = counted.begun()
     missing = set(np.flatnonzero(begun & (counted.counts == 0)).tolist())
     after = RowCounts(args.ids, writers)
-    deadline = min(deadline, time.monotonic() + args.drain_s)
+    drained_by = time.monotonic() + args.drain_s  # then the rows still missing are lost: the report says which
+    deadline = min(deadline, drained_by + args.stall_s)
     procs = _start(ctx, _resumed, args, queue, node, checkpoint)
     done: set[int] = set()
     past = 0
@@ -350,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             missing.difference_update(rows.tolist())
         else:
             past += len(rows)
-            if past >= args.drain_past:
-                node.stop.set()
+        if past >= args.drain_past or time.monotonic() > drained_by:
+            node.stop.set()
     _join(procs, deadline)
 
     size = max(len(begun), len(after.counts))
@@ -376,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows_before_last_checkpoint": int(counted.counts.sum()), "rows_after_resume": after.total(),
         "rows_checked": int(begun.sum()), "lost": len(lost), "twice": len(twice),
         "growth": {r: firsts[r]["growth"] for r in sorted(firsts)}, "errors": firsts[0]["errors"][:3],
+        "zombies_reaped": sum(r["zombies_reaped"] for r in firsts.values()),
         "failures": failures,
     }  # fmt: skip
     print(json.dumps(report))
