@@ -3,6 +3,7 @@ as arrived, what a stale entry or another session cannot do, and a rank that nev
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -82,7 +83,16 @@ def test_a_rank_that_never_calls_state_dict_fails_the_others_checkpoint(
     """Rank 0 of a node of two asks for a checkpoint that rank 1 never takes: a CheckpointError naming rank 1, not a
     hang; rank 0's loader reads on (its children were resumed)."""
     monkeypatch.setattr(cutbarrier, "WAIT_S", 1.0)
-    queue = f"cbl-{uuid.uuid4().hex[:8]}"
+    with _node_of_two(redis_url) as (rank0, _rank1, it0, it1):
+        with pytest.raises(CheckpointError, match=r"global rank 1 \(local rank 1: never took part in a cut\)"):
+            rank0.state_dict()
+        assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+
+
+@contextlib.contextmanager
+def _node_of_two(redis_url: str) -> Iterator[tuple[Any, Any, Iterator[Any], Iterator[Any]]]:
+    """Local ranks 0 and 1 of one node in this process (each reads two batches): the loaders and their iterators."""
+    queue = f"cbn-{uuid.uuid4().hex[:8]}"
     common: dict[str, Any] = dict(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1,
                                   local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
     with (
@@ -91,9 +101,7 @@ def test_a_rank_that_never_calls_state_dict_fails_the_others_checkpoint(
     ):
         it0, it1 = iter(rank0), iter(rank1)
         take(it0, 2), take(it1, 2)
-        with pytest.raises(CheckpointError, match=r"global rank 1 \(local rank 1: never took part in a cut\)"):
-            rank0.state_dict()
-        assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+        yield rank0, rank1, it0, it1
 
 
 def test_a_rank_that_gave_its_cut_up_fails_the_others_waits_at_once(node: tuple[ControlPlane, str]) -> None:
@@ -118,15 +126,7 @@ def test_a_rank_whose_checkpoint_failed_fails_the_others_at_once(
     rank 0's call of the same checkpoint then fails at its first barrier, naming rank 1, rather than waiting for a
     rank that is not coming. Both loaders read on."""
     monkeypatch.setattr(cutbarrier, "WAIT_S", 1.0)
-    queue = f"cbg-{uuid.uuid4().hex[:8]}"
-    common: dict[str, Any] = dict(bs=4, shuffle_size=64, queue_name=queue, num_writers=1, num_readers=1,
-                                  local_world_size=2, global_world_size=2, redis_url=redis_url)  # fmt: skip
-    with (
-        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(**common)) as rank0,
-        MultiprocessShuffledDataloader(Counter(), DataloaderConfig(local_rank=1, global_rank=1, **common)) as rank1,
-    ):
-        it0, it1 = iter(rank0), iter(rank1)
-        take(it0, 2), take(it1, 2)
+    with _node_of_two(redis_url) as (rank0, rank1, it0, it1):
         with pytest.raises(CheckpointError, match=r"global rank 0 \(local rank 0: never took part in a cut\)"):
             rank1.state_dict()
         with pytest.raises(CheckpointError, match=r"checkpoint 1 cannot complete: global ranks \[1\] of this node"):

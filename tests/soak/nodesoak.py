@@ -58,13 +58,13 @@ from datasets import PassIds  # noqa: E402  (the path above)
 from sigint_gate import Gate  # noqa: E402  (the path above)
 from soak import (  # noqa: E402  (the path above)
     EVENTS,
-    RESOURCE_SLACK,
-    RSS_SLACK_BYTES,
     RowCounts,
     Watchdog,
     _details,
     _padded,
     _sample,
+    exactness,
+    resource_growth,
 )
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402  (the path above)
@@ -215,17 +215,7 @@ class Rank:
         return self._report()
 
     def _report(self) -> dict[str, Any]:
-        first, last = self.samples[0], self.samples[-1]
-        growth = {key: last[key] - first[key] for key in first}
-        none: collections.Counter[str] = collections.Counter()
-        failures = [
-            f"rank {self.rank}: its {key} grew by {growth[key]} (from {first[key]}); added "
-            f"{dict(self.details[-1].get(key, none) - self.details[0].get(key, none))}"
-            for key, slack in RESOURCE_SLACK.items()
-            if growth[key] > slack
-        ]
-        if growth["rss"] > RSS_SLACK_BYTES:
-            failures.append(f"rank {self.rank}: its RSS (less the row counts) grew by {growth['rss'] >> 20} MiB")
+        growth, failures = resource_growth(self.samples, self.details, f"rank {self.rank}")
         # The embedded server's keeper is a child of the rank that started the server, and exits once the node's last
         # user stopped it: when that was another rank, it waits here as a zombie (reaped, and counted). While another
         # job of this machine uses the server (another soak), the keeper and its server go on: not this run's.
@@ -388,18 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             node.stop.set()
     _join(procs, deadline)
 
-    size = max(len(begun), len(after.counts))
-    both = _padded(counted.counts, size) + _padded(after.counts, size)
-    lost = np.flatnonzero(_padded(begun, size) & (both == 0))
-    twice = np.flatnonzero(both > 1)
-    if len(lost):
-        failures.append(
-            f"{len(lost)} rows of the passes begun never came, e.g. {[counted.row(int(i)) for i in lost[:5]]}"
-        )
-    if len(twice):
-        failures.append(
-            f"{len(twice)} rows came twice across the resume, e.g. {[counted.row(int(i)) for i in twice[:5]]}"
-        )
+    lost, twice, failed = exactness(counted, after)
+    failures += failed
     events: collections.Counter[str] = collections.Counter()
     for r in firsts.values():
         events.update({k: v for k, v in r["events"].items() if k not in NODE_EVENTS})
@@ -408,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "events": {k: v for k, v in firsts[0]["events"].items() if k in NODE_EVENTS},
         "outcomes_all_ranks": dict(events),
         "rows_before_last_checkpoint": int(counted.counts.sum()), "rows_after_resume": after.total(),
-        "rows_checked": int(begun.sum()), "lost": len(lost), "twice": len(twice),
+        "rows_checked": int(begun.sum()), "lost": lost, "twice": twice,
         "growth": {r: firsts[r]["growth"] for r in sorted(firsts)}, "errors": firsts[0]["errors"][:3],
         "zombies_reaped": sum(r["zombies_reaped"] for r in firsts.values()),
         "failures": failures,

@@ -307,28 +307,10 @@ class Soak:
     def report(self, after: RowCounts) -> tuple[dict[str, Any], list[str]]:
         args = self.args
         begun = self.counted.begun()
-        size = max(len(begun), len(after.counts))
-        both = _padded(self.counted.counts, size).astype(np.int64) + _padded(after.counts, size)
-        lost = np.flatnonzero(_padded(begun, size) & (both == 0))
-        twice = np.flatnonzero(both > 1)
-        failures = []
-        if len(lost):
-            some = [self.counted.row(int(i)) for i in lost[:5]]
-            failures.append(f"{len(lost)} rows of the passes begun never came, e.g. {some}")
-        if len(twice):
-            some = [self.counted.row(int(i)) for i in twice[:5]]
-            failures.append(f"{len(twice)} rows came twice across the resume, e.g. {some}")
-        first, last = self.samples[0], self.samples[-1]
-        growth = {key: last[key] - first[key] for key in first}
-        for key, slack in RESOURCE_SLACK.items():
-            if growth[key] > slack:
-                failures.append(f"the trainer's {key} grew by {growth[key]} (from {first[key]})")
-                if key in self.details[0]:
-                    new = self.details[-1][key] - self.details[0][key]
-                    gone = self.details[0][key] - self.details[-1][key]
-                    failures.append(f"{key} added: {dict(new)}; gone: {dict(gone)}")
-        if growth["rss"] > RSS_SLACK_BYTES:
-            failures.append(f"the trainer's RSS (less this script's row counts) grew by {growth['rss'] >> 20} MiB")
+        lost, twice, failures = exactness(self.counted, after)
+        growth, grown = resource_growth(self.samples, self.details, "the trainer")
+        failures += grown
+        first = self.samples[0]
         left = psutil.Process().children(recursive=True)
         if left:
             failures.append(f"processes left after close: {[(p.pid, p.name()) for p in left]}")
@@ -336,9 +318,48 @@ class Soak:
             "seed": args.seed, "way": args.way, "kinds": list(EVENTS), "seconds": args.seconds, "batches": self.batches,
             "rows_before_last_checkpoint": self.counted.total(), "rows_after_resume": after.total(),
             "rows_checked": int(begun.sum()), "events": dict(self.events), "sigint_outside_calls": self.handler.stray,
-            "lost": len(lost), "twice": len(twice), "first_sample": first, "growth": growth, "failures": failures,
+            "lost": lost, "twice": twice, "first_sample": first, "growth": growth, "failures": failures,
         }  # fmt: skip
         return report, failures
+
+
+def exactness(counted: RowCounts, after: RowCounts) -> tuple[int, int, list[str]]:
+    """Rows of the passes begun before the last checkpoint (``counted``: read before it) never read, and rows read
+    twice, over ``counted`` and ``after`` (read after its resume); with a line for each kind found."""
+    begun = counted.begun()
+    size = max(len(begun), len(after.counts))
+    both = _padded(counted.counts, size).astype(np.int64) + _padded(after.counts, size)
+    lost = np.flatnonzero(_padded(begun, size) & (both == 0))
+    twice = np.flatnonzero(both > 1)
+    failures = []
+    if len(lost):
+        failures.append(
+            f"{len(lost)} rows of the passes begun never came, e.g. {[counted.row(int(i)) for i in lost[:5]]}"
+        )
+    if len(twice):
+        failures.append(
+            f"{len(twice)} rows came twice across the resume, e.g. {[counted.row(int(i)) for i in twice[:5]]}"
+        )
+    return len(lost), len(twice), failures
+
+
+def resource_growth(
+    samples: list[dict[str, int]], details: list[dict[str, collections.Counter[str]]], who: str
+) -> tuple[dict[str, int], list[str]]:
+    """Growth from the first sample to the last, and a line for each count grown past its slack (with what was
+    added, from ``_details``)."""
+    first, last = samples[0], samples[-1]
+    growth = {key: last[key] - first[key] for key in first}
+    failures = []
+    for key, slack in RESOURCE_SLACK.items():
+        if growth[key] > slack:
+            failures.append(f"{who}'s {key} grew by {growth[key]} (from {first[key]})")
+            if key in details[0]:
+                new, gone = details[-1][key] - details[0][key], details[0][key] - details[-1][key]
+                failures.append(f"{key} added: {dict(new)}; gone: {dict(gone)}")
+    if growth["rss"] > RSS_SLACK_BYTES:
+        failures.append(f"{who}'s RSS (less this script's row counts) grew by {growth['rss'] >> 20} MiB")
+    return growth, failures
 
 
 def _padded(counts: np.ndarray, n: int) -> np.ndarray:
