@@ -35,7 +35,6 @@ import argparse
 import collections
 import contextlib
 import faulthandler
-import json
 import multiprocessing as mp
 import os
 import pickle
@@ -64,7 +63,9 @@ from soak import (  # noqa: E402  (the path above)
     _padded,
     _sample,
     exactness,
+    finish,
     resource_growth,
+    signalled,
 )
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402  (the path above)
@@ -121,24 +122,15 @@ class Rank:
         self.watchdog.beat()
 
     def _call(self, loader: MultiprocessShuffledDataloader, interrupt: bool, victim: int) -> dict[str, Any] | None:
-        timer = None
-        if interrupt or victim:
-            pid, sig = (os.getpid(), signal.SIGINT) if interrupt else (victim, signal.SIGKILL)
-            timer = threading.Timer(self.rng.uniform(0.0, 0.02), os.kill, (pid, sig))
-            timer.start()
-        self.handler.armed = True
         try:
-            return loader.state_dict()
+            with signalled(self.handler, self.rng, interrupt, victim):
+                return loader.state_dict()
         except KeyboardInterrupt:
             self.events["interrupted"] += 1
         except CheckpointError as exc:
             self.events["checkpoint_error"] += 1
             if len(self.errors) < 20:
                 self.errors.append(str(exc)[:400])
-        finally:
-            self.handler.armed = False
-            if timer is not None:
-                timer.join()
         return None
 
     def checkpoint(self, loader: MultiprocessShuffledDataloader, interrupt: bool = False, victim: int = 0) -> None:
@@ -393,10 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "zombies_reaped": sum(r["zombies_reaped"] for r in firsts.values()),
         "failures": failures,
     }  # fmt: skip
-    print(json.dumps(report))
-    for failure in failures:
-        print(f"nodesoak: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    return finish("nodesoak", report)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import json
 import os
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +180,24 @@ class Watchdog:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def signalled(handler: Gate, rng: random.Random, interrupt: bool, victim: int) -> Iterator[None]:
+    """Around one loader call: with ``interrupt``, a SIGINT to this process, with ``victim``, a SIGKILL to that
+    child, a random 0-20 ms after the call begins; ``handler`` raises KeyboardInterrupt only meanwhile."""
+    timer = None
+    if interrupt or victim:
+        pid, sig = (os.getpid(), signal.SIGINT) if interrupt else (victim, signal.SIGKILL)
+        timer = threading.Timer(rng.uniform(0.0, 0.02), os.kill, (pid, sig))
+        timer.start()
+    handler.armed = True
+    try:
+        yield
+    finally:
+        handler.armed = False
+        if timer is not None:
+            timer.join()
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -200,20 +220,11 @@ class Soak:
         """A checkpoint, kept with the rows read so far; with ``interrupt``, a SIGINT is sent to this process
         meanwhile, with ``victim``, a SIGKILL to that child (a random 0-20 ms after the call). Returns whether the
         call raised KeyboardInterrupt."""
-        timer = None
-        if interrupt or victim:
-            pid, sig = (os.getpid(), signal.SIGINT) if interrupt else (victim, signal.SIGKILL)
-            timer = threading.Timer(self.rng.uniform(0.0, 0.02), os.kill, (pid, sig))
-            timer.start()
-        self.handler.armed = True
         try:
-            state = loader.state_dict()
+            with signalled(self.handler, self.rng, interrupt, victim):
+                state = loader.state_dict()
         except KeyboardInterrupt:
             return True
-        finally:
-            self.handler.armed = False
-            if timer is not None:
-                timer.join()
         self.checkpoint, self.counted = state, self.read.copy()
         self.watchdog.beat()
         return False
@@ -398,11 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     soak.run_first()
     after = soak.run_resume()
     soak.watchdog.stop()
-    report, failures = soak.report(after)
+    report, _failures = soak.report(after)
+    return finish("soak", report)
+
+
+def finish(name: str, report: dict[str, Any]) -> int:
+    """The report as one JSON line on stdout, each failure a line on stderr; the exit status."""
     print(json.dumps(report))
-    for failure in failures:
-        print(f"soak: {failure}", file=sys.stderr)
-    return 1 if failures else 0
+    for failure in report["failures"]:
+        print(f"{name}: {failure}", file=sys.stderr)
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":
