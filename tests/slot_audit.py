@@ -30,8 +30,8 @@ from gigashuffle.control.plane import ControlPlane
 from gigashuffle.errors import AttachError
 from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.shm import journal
-from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.journal import H_LENGTH
+from gigashuffle.shm.memfd import SharedMemory
 from gigashuffle.shm.slottable import (
     EMPTY,
     FULL,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.memfd import SharedMemory
 
 # Writer cells.
 W_STARTED = 0  # monotonic time the writer started counting

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SharedMemory:
@@ -38,6 +40,8 @@ class SharedMemory:
         """A ``uint8`` tensor over ``[offset, offset + nbytes)`` of the mapping."""
         if self._map is None:
             raise ValueError("shared memory is closed")
+        import torch  # here, not at the top: the slot table and the node lock use this module without torch
+
         return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def numpy_view(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -58,7 +58,7 @@ from gigashuffle.host.pids import describe_process, flock_holder
 
 # The one SIGINT mechanism (stdlib only; the layer contract in pyproject.toml lets this module alone reach it).
 from gigashuffle.procs import interrupts
-from gigashuffle.shm.buffer import SharedMemory
+from gigashuffle.shm.memfd import SharedMemory
 
 # This process's pid and main thread, kept current across os.fork() by the hook below: os.getpid() is a system
 # call, and every acquisition compares it with the pid that opened the lock description.

@@ -30,7 +30,6 @@ import numpy.typing as npt
 
 from gigashuffle.errors import AttachError
 from gigashuffle.host.pids import pid_namespace
-from gigashuffle.shm.buffer import SharedMemory
 from gigashuffle.shm.holders import REGISTRY_BYTES, HolderRegistry
 from gigashuffle.shm.journal import (
     H_EMPTY,
@@ -50,6 +49,7 @@ from gigashuffle.shm.journal import (
     WideJournal,
 )  # fmt: skip
 from gigashuffle.shm.lanes import LANES
+from gigashuffle.shm.memfd import SharedMemory
 from gigashuffle.shm.nodelock import NodeLock
 from gigashuffle.shm.picker import SlotPicker
 from gigashuffle.shm.stripes import Stripe, WidePending, default_stripes
