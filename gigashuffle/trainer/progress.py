@@ -145,18 +145,22 @@ class FillProgress:
 
 class StalledWriters:
     """Which writers a trainer waiting for its first batch should warn about: those whose rows (``None``: not known
-    yet, as 0) have not changed for ``stall_s``, each once (NOTE [ First mix ] in procs/firstmix.py)."""
+    yet, as 0) have not changed for ``stall_s``, each once (NOTE [ First mix ] in procs/firstmix.py). The clock starts
+    at the first check, i.e. the first wait: a loader built long before it was first iterated has no stalled
+    writer for that alone."""
 
     def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.stall_s = stall_s
         self.clock = clock
-        self._started = clock()
+        self._started: float | None = None
         self._seen: dict[int, tuple[int, float]] = {}  # writer -> (rows, since when)
         self._warned: set[int] = set()
 
     def check(self, rows: dict[int, int | None]) -> list[int]:
         """The writers of ``rows`` (writer -> rows written so far) stalled for ``stall_s`` and not warned of yet."""
         now = self.clock()
+        if self._started is None:
+            self._started = now
         out = []
         for writer, n in sorted(rows.items()):
             count = n or 0

@@ -195,6 +195,8 @@ def test_only_writers_that_wrote_no_row_for_stall_s_are_stalled_each_once() -> N
         else:
             assert stalled == [], (second, stalled)
     late = StalledWriters(10.0, clock=clock)
+    clock.now += 100.0  # built long before its first wait (a loader made, then iterated later): that time is no stall
+    assert late.check({5: None}) == [], "the clock starts at the first wait"
     clock.now += 9.9
     assert late.check({5: None}) == []
     clock.now += 0.1
