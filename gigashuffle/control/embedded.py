@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,5 +186,16 @@ def release(server: EmbeddedServer) -> None:
     # The keeper (started here) exits once its server has: outside the lock, which the keeper takes for its checks.
     # SHUTDOWN's closed connection came after the server unlinked its socket, so a loader that starts a server now
     # cannot lose its socket file to the old one.
-    if server.process is not None and server.process.poll() is None and not answers(server.socket_path):
-        server.process.wait(timeout=10)
+    process = server.process
+    if process is None or process.poll() is not None:
+        return
+    if not answers(server.socket_path):
+        process.wait(timeout=10)
+    else:
+        # Another user stops the server later, and then its keeper, a child of this process, exits: reaped by a
+        # thread that waits for that, or it stays a zombie of this process for as long as this process runs.
+        reaper = threading.Thread(target=process.wait, name="gigashuffle-keeper-reaper", daemon=True)
+        try:
+            reaper.start()
+        except RuntimeError:  # at interpreter exit (3.12+ starts no thread then): the zombie ends with this process
+            log.debug("embedded Redis keeper %d not reaped: the interpreter is exiting", process.pid)

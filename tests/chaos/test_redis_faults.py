@@ -236,7 +236,9 @@ def test_redis_unreachable_at_start(chaos: Any, redis_server: Any, case: str, se
     assert "redis_timeout_s" in text, text
     where = url.removeprefix("unix://") if url.startswith("unix://") else url.split("//", 1)[1].split("/", 1)[0]
     assert where in text, f"the error does not say which Redis ({where}): {text}"
-    assert took <= timeout_s + 1.0, f"RedisUnavailableError came after {took:.1f} s with redis_timeout_s={timeout_s}"
+    # What is checked is that redis_timeout_s bounds the wait (not redis-py's retries or a default of tens of
+    # seconds); the slack is for a loaded 2-core machine, where the constructor's own work can take seconds.
+    assert took <= timeout_s + 5.0, f"RedisUnavailableError came after {took:.1f} s with redis_timeout_s={timeout_s}"
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -118,6 +118,8 @@ def test_embedded_server_is_started_shared_and_stopped(runtime_dir: Path) -> Non
         servers = _servers(socket_path)
         assert len(servers) == 1
         server_pid = servers[0].pid
+        keeper = servers[0].parent()
+        assert keeper is not None and keeper.ppid() == os.getpid(), "the first loader's process starts the keeper"
 
         second = MultiprocessShuffledDataloader(UniqueIds(base=10**12), _config("emb-b"))
         assert second.redis_url == first.redis_url
@@ -136,6 +138,8 @@ def test_embedded_server_is_started_shared_and_stopped(runtime_dir: Path) -> Non
         wait_for(lambda: not _servers(socket_path), "the embedded server to exit")
         assert not answers(socket_path)
         wait_for(lambda: not socket_path.exists(), "the embedded server's socket to be removed")
+        # Stopped by the second loader's release, the keeper exits; its parent, this process, must reap it.
+        wait_for(lambda: not psutil.pid_exists(keeper.pid), "the keeper to be reaped, not left a zombie of its starter")
     finally:
         first.close()
         if second is not None:
