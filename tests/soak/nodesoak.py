@@ -93,6 +93,7 @@ def _config(args: argparse.Namespace, queue: str, rank: int) -> DataloaderConfig
     return DataloaderConfig(
         bs=args.bs, shuffle_size=args.shuffle_size, queue_name=queue, num_writers=2, num_readers=2,
         redis_url=args.redis_url or None, checkpoint_rows=args.way, max_restarts=1_000_000,
+        lock_stripes=args.lock_stripes,
         local_rank=rank, global_rank=rank, local_world_size=args.ranks, global_world_size=args.ranks,
     )  # fmt: skip
 
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=50)
     p.add_argument("--bs", type=int, default=16)
     p.add_argument("--shuffle-size", type=int, default=1024)
+    p.add_argument("--lock-stripes", type=int, default=1, help="DataloaderConfig.lock_stripes (NOTE [ Stripes ])")
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--settle-s", type=float, default=2.0)
     p.add_argument("--stall-s", type=float, default=150.0, help="a rank with nothing for this long hangs")
@@ -376,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in firsts.values():
         events.update({k: v for k, v in r["events"].items() if k not in NODE_EVENTS})
     report = {
-        "seed": args.seed, "way": args.way, "ranks": args.ranks, "kinds": list(NODE_EVENTS),
+        "seed": args.seed, "way": args.way, "lock_stripes": args.lock_stripes, "ranks": args.ranks,
+        "kinds": list(NODE_EVENTS),
         "events": {k: v for k, v in firsts[0]["events"].items() if k in NODE_EVENTS},
         "outcomes_all_ranks": dict(events),
         "rows_before_last_checkpoint": int(counted.counts.sum()), "rows_after_resume": after.total(),

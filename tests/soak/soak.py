@@ -136,6 +136,7 @@ def _config(args: argparse.Namespace, queue: str) -> DataloaderConfig:
     return DataloaderConfig(
         bs=args.bs, shuffle_size=args.shuffle_size, queue_name=queue, num_writers=2, num_readers=2,
         redis_url=args.redis_url or None, checkpoint_rows=args.way, max_restarts=1_000_000,
+        lock_stripes=args.lock_stripes,
     )  # fmt: skip
 
 
@@ -326,7 +327,8 @@ class Soak:
         if left:
             failures.append(f"processes left after close: {[(p.pid, p.name()) for p in left]}")
         report = {
-            "seed": args.seed, "way": args.way, "kinds": list(EVENTS), "seconds": args.seconds, "batches": self.batches,
+            "seed": args.seed, "way": args.way, "lock_stripes": args.lock_stripes, "kinds": list(EVENTS),
+            "seconds": args.seconds, "batches": self.batches,
             "rows_before_last_checkpoint": self.counted.total(), "rows_after_resume": after.total(),
             "rows_checked": int(begun.sum()), "events": dict(self.events), "sigint_outside_calls": self.handler.stray,
             "lost": lost, "twice": twice, "first_sample": first, "growth": growth, "failures": failures,
@@ -390,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=50)
     p.add_argument("--bs", type=int, default=16)
     p.add_argument("--shuffle-size", type=int, default=512)
+    p.add_argument("--lock-stripes", type=int, default=1, help="DataloaderConfig.lock_stripes (NOTE [ Stripes ])")
     p.add_argument("--warmup-s", type=float, default=3.0, help="reading before the faults and the first sample")
     p.add_argument("--settle-s", type=float, default=2.0, help="reading after the faults, before the last sample")
     p.add_argument("--stall-s", type=float, default=120.0, help="a call that takes longer is a hang")
