@@ -57,11 +57,10 @@ from datasets import PassIds  # noqa: E402  (the path above)
 from sigint_gate import Gate  # noqa: E402  (the path above)
 from soak import (  # noqa: E402  (the path above)
     EVENTS,
+    Faulting,
     RowCounts,
     Watchdog,
-    _details,
     _padded,
-    _sample,
     exactness,
     finish,
     resource_growth,
@@ -98,7 +97,7 @@ def _config(args: argparse.Namespace, queue: str, rank: int) -> DataloaderConfig
     )  # fmt: skip
 
 
-class Rank:
+class Rank(Faulting):
     """One rank of the first loaders: reads, does its part of each fault, keeps the last checkpoint every rank took."""
 
     def __init__(self, args: argparse.Namespace, rank: int, queue: str, node: Node) -> None:
@@ -150,10 +149,6 @@ class Rank:
             interrupt, victim = False, 0
         raise SystemExit(f"nodesoak: rank {self.rank}: {_RETAKES} calls of one checkpoint failed: {self.errors[-3:]}")
 
-    def _child(self, loader: MultiprocessShuffledDataloader, *roles: str) -> int:
-        pids = [pid for role in roles for pid in loader.child_pids(timeout_s=self.args.stall_s)[role]]
-        return self.rng.choice(pids) if pids else 0
-
     def _event(self, loader: MultiprocessShuffledDataloader) -> None:
         event = self.schedule.choice(NODE_EVENTS)
         whose = self.schedule.randrange(self.args.ranks)  # drawn for every event: the schedule stays the seed's
@@ -182,12 +177,6 @@ class Rank:
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             self._read(batches, 1)
-
-    def _sample(self, me: psutil.Process) -> None:
-        sample = _sample(me)
-        sample["rss"] -= self.read.counts.nbytes + self.counted.counts.nbytes
-        self.samples.append(sample)
-        self.details.append(_details())
 
     def run(self) -> dict[str, Any]:
         args, me = self.args, psutil.Process()

@@ -199,7 +199,31 @@ def signalled(handler: Gate, rng: random.Random, interrupt: bool, victim: int) -
             timer.join()
 
 
-class Soak:
+class Faulting:
+    """What a soak's loader process (``Soak``, and each rank of nodesoak.py) does alike: pick a child to kill, and
+    sample its own resources. Needs ``args``, ``rng``, ``read``, ``counted``, ``samples`` and ``details``."""
+
+    args: argparse.Namespace
+    rng: random.Random
+    read: RowCounts
+    counted: RowCounts
+    samples: list[dict[str, int]]
+    details: list[dict[str, collections.Counter[str]]]
+
+    def _child(self, loader: MultiprocessShuffledDataloader, *roles: str) -> int:
+        """A random live child of these roles (0: none)."""
+        pids = [pid for role in roles for pid in loader.child_pids(timeout_s=self.args.stall_s)[role]]
+        return self.rng.choice(pids) if pids else 0
+
+    def _sample(self, me: psutil.Process) -> None:
+        sample = _sample(me)
+        # This script's own counts grow with the rows read (a byte per row, and the copy at the last checkpoint).
+        sample["rss"] -= self.read.counts.nbytes + self.counted.counts.nbytes
+        self.samples.append(sample)
+        self.details.append(_details())
+
+
+class Soak(Faulting):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.queue = f"soak-{uuid.uuid4().hex[:8]}"
@@ -229,11 +253,6 @@ class Soak:
         self.checkpoint, self.counted = state, self.read.copy()
         self.watchdog.beat()
         return False
-
-    def _child(self, loader: MultiprocessShuffledDataloader, *roles: str) -> int:
-        """A random live child of these roles (0: none)."""
-        pids = [pid for role in roles for pid in loader.child_pids(timeout_s=self.args.stall_s)[role]]
-        return self.rng.choice(pids) if pids else 0
 
     def _event(self, loader: MultiprocessShuffledDataloader) -> None:
         event = self.schedule.choice(EVENTS)
@@ -285,13 +304,6 @@ class Soak:
             self._read(batches)
             if time.monotonic() >= until:
                 return
-
-    def _sample(self, me: psutil.Process) -> None:
-        sample = _sample(me)
-        # This script's own counts grow with the rows read (a byte per row, and the copy at the last checkpoint).
-        sample["rss"] -= self.read.counts.nbytes + self.counted.counts.nbytes
-        self.samples.append(sample)
-        self.details.append(_details())
 
     def run_resume(self) -> RowCounts:
         """Resume the last checkpoint and read until every row of the passes begun before it came, and more."""
