@@ -188,7 +188,7 @@ def signalled(handler: Gate, rng: random.Random, interrupt: bool, victim: int) -
     timer = None
     if interrupt or victim:
         pid, sig = (os.getpid(), signal.SIGINT) if interrupt else (victim, signal.SIGKILL)
-        timer = threading.Timer(rng.uniform(0.0, 0.02), os.kill, (pid, sig))
+        timer = threading.Timer(rng.uniform(0.0, 0.02), _kill, (pid, sig))
         timer.start()
     handler.armed = True
     try:
@@ -197,6 +197,11 @@ def signalled(handler: Gate, rng: random.Random, interrupt: bool, victim: int) -
         handler.armed = False
         if timer is not None:
             timer.join()
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the victim died meanwhile (another fault, the loader's close)
+        os.kill(pid, sig)
 
 
 class Faulting:
@@ -287,8 +292,10 @@ class Soak(Faulting):
             batches = iter(loader)
             self._read(batches)  # the fill: as long as a loaded machine makes it
             self._read_for(batches, args.warmup_s)
-            # What the first checkpoint maps for good (the node's slot table) is mapped before the sample.
+            # What the first checkpoint maps for good (the node's slot table) is mapped before the sample, and so
+            # is what a wide op of the table opens for good (stats(): each stripe lock's own file description).
             self._state_dict(loader)
+            loader.stats()
             self._sample(me)
             until = time.monotonic() + args.seconds
             while time.monotonic() < until or sum(self.events[e] for e in EVENTS) < args.events:
