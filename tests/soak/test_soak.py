@@ -12,8 +12,11 @@ import pytest
 Run = Callable[[str, list[str]], dict[str, Any]]  # the soak_report fixture (tests/soak/conftest.py)
 
 
-@pytest.mark.parametrize("way", ["saved", "positions"])
-def test_a_short_soak_loses_nothing_repeats_nothing_and_grows_nothing(soak_report: Run, way: str) -> None:
+# Each way once, one of them over a slot table in 4 stripes (NOTE [ Stripes ]): the node soak's ways take the other
+# table, so both ways run on both tables.
+@pytest.mark.parametrize(("way", "stripes"), [("saved", 4), ("positions", 1)])
+def test_a_short_soak_loses_nothing_repeats_nothing_and_grows_nothing(soak_report: Run, way: str, stripes: int) -> None:
     # The schedule is the seed's alone: seed 12's first 16 faults are of every kind (4, 4, 3, 2 and 3).
-    args = ["--seconds", "0", "--events", "16", "--event-s", "0.15", "--seed", "12"]
-    soak_report("soak.py", [*args, "--warmup-s", "1", "--settle-s", "1", "--way", way])
+    args = ["--seconds", "0", "--events", "16", "--event-s", "0.15", "--seed", "12", "--lock-stripes", str(stripes)]
+    report = soak_report("soak.py", [*args, "--warmup-s", "1", "--settle-s", "1", "--way", way])
+    assert report["lock_stripes"] == stripes, report
