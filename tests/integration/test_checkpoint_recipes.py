@@ -1,5 +1,6 @@
-"""The README's data-source recipes checkpoint and resume exactly: the three-segment scenario of
-test_checkpoint_exact.py (checkpoint, read on, SIGKILL, resume in a new process; a last segment drains) over
+"""The README's data-source recipes checkpoint and resume exactly: the scenario of test_checkpoint_exact.py in two
+segments (checkpoint, read on, SIGKILL, resume in a new process: a fresh start's checkpoint, then a resumed
+source's; a last segment drains) over
 
 * the Hugging Face recipe: ``Chunked(load_dataset("parquet", ..., streaming=True).with_format("torch"), ...)`` over
   4 parquet shards for 2 writers (its state is the IterableDataset's own: NOTE [ Chunked state ] in sources/chunked.py);
@@ -25,7 +26,7 @@ IDS, SHUFFLE = 300, 128
 def _scenario(kind: str, redis_url: str, tmp: Path) -> tuple[int, int]:
     write_shards(kind, tmp / "data", IDS)
     lost, twice, _ = run_scenario(redis_url, tmp, dataset=("--dataset", kind, "--data", str(tmp / "data")), ids=IDS,
-                                  shuffle=SHUFFLE, before=8, after=6, drain_s=60)  # fmt: skip
+                                  shuffle=SHUFFLE, before=8, after=6, drain_s=60, segments=2)  # fmt: skip
     return lost, twice
 
 
