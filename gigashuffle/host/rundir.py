@@ -60,10 +60,11 @@ def remove_socket(path: Path) -> None:
 
 
 def remove_stale_sockets(directory: Path | None = None) -> list[Path]:
-    """Remove attach sockets whose process is gone (killed processes cannot remove their own)."""
+    """Remove attach sockets whose process is gone (killed processes cannot remove their own): a child's
+    ``attach-<pid>.sock`` and a trainer's ``attach-<pid>-t<id>.sock``."""
     removed = []
     for path in (directory or runtime_dir()).glob("attach-*.sock"):
-        pid_text = path.stem.removeprefix("attach-")
+        pid_text = path.stem.removeprefix("attach-").split("-", 1)[0]
         if pid_text.isdigit() and not pid_alive(int(pid_text)):
             remove_socket(path)
             removed.append(path)

@@ -7,7 +7,8 @@ A process that needs the buffer connects to any listed server; the server checks
 SO_PEERCRED, sends its info as JSON (the buffer's size, scope and metadata) and the buffer's and slot table's
 memfds over SCM_RIGHTS, and closes. Since every holder serves, the owner (the process that allocated the buffer)
 can die without stranding a respawned process, and a writer can find the buffer when Redis lists none (NOTE
-[ A buffer Redis forgot ] in procs/forgottenbuffer.py).
+[ A buffer Redis forgot ] in procs/forgottenbuffer.py). The trainer serves it too, on ``attach-<pid>-t<id>.sock``,
+unlisted (NOTE [ The trainer holds the buffer ] in trainer/nodetable.py).
 """
 
 from __future__ import annotations

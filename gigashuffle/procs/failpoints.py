@@ -14,7 +14,8 @@ whose children inherit it); a call site costs one test of a module constant.
   * ``interrupt[=<seconds>]:<marker path>``: like the SIGKILL, once, but a SIGINT to itself (after sleeping that
     long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there.
 Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a draw's slots
-released, its batches not yet announced), ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
+released, its batches not yet announced), ``reader.before_attach`` (a reader about to attach the node's buffer),
+``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
 asked its readers to pause), ``trainer.map_table`` (the trainer about to fetch the node's fds to map its slot
 table), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
 paused, before it lists the full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py),

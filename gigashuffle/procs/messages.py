@@ -38,7 +38,11 @@ class BatchReady:
 class Attached:
     """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
     (NOTE [ Rejoining ] in ``trainer/rejoin.py``). A writer of a stateful dataset sends the memfd of its
-    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``)."""
+    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``). With ``buffer``, the buffer's
+    owner sends the buffer's and the slot table's memfds last, before it commits any row (NOTE [ The trainer
+    holds the buffer ] in ``trainer/nodetable.py``)."""
+
+    buffer: bool = False
 
 
 @dataclass(frozen=True)

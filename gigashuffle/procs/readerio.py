@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.messages import FreeSlot, Pause, Paused, Rejoin, Resume, RingReady, ToChild
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
@@ -15,6 +16,8 @@ _IDLE_POLL_S = 0.5
 
 
 def _open_ring(env: ChildEnv, counters: ChildCounters) -> tuple[SlotBuffer, SlotTable, BatchRing]:
+    if failpoints.ACTIVE:
+        failpoints.reached("reader.before_attach")
     layout = env.attach_buffer()
     if env.buffer is None or env.table is None:
         raise AssertionError("reader has no buffer after attach")

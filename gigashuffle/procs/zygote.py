@@ -105,8 +105,27 @@ def serve(trainer: Channel) -> None:
             log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
 
 
+def _remove_dead_trainer_sockets(trainer_pid: int) -> None:
+    """The attach sockets a SIGKILLed trainer left (NOTE [ The trainer holds the buffer ] in trainer/nodetable.py):
+    those of its pid that no server answers on. A trainer that closed this loader normally removed its own, and one
+    that lives on (another loader of it still serves) answers."""
+    from gigashuffle.host.rundir import remove_socket, runtime_dir
+
+    for path in runtime_dir().glob(f"attach-{trainer_pid}-t*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            remove_socket(path)
+        except OSError as exc:
+            log.debug("left %s: %s", path, exc)
+        finally:
+            probe.close()
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    trainer_pid = os.getppid()
     trainer = Channel(socket.socket(fileno=int(argv[0])))
     preparation: dict[str, Any]
     try:
@@ -130,6 +149,7 @@ def main(argv: list[str]) -> int:
     from gigashuffle.procs import childmain, pickling  # noqa: F401
 
     serve(trainer)
+    _remove_dead_trainer_sockets(trainer_pid)
     return 0
 
 

@@ -51,6 +51,9 @@ class ChildMessages:
             self._on_ring(child.ring)
             self._on_attached(child)
         elif isinstance(message, Attached):
+            if message.buffer:  # the owner's buffer and table, last (NOTE [ The trainer holds the buffer ])
+                fds, (buffer_fd, table_fd) = fds[:-2], fds[-2:]
+                self._node_table.hold(buffer_fd, table_fd)
             map_counters(child, fds[:1])  # the counters' fd first, then a writer's commit counter
             self._emit(child, message, fds[1:])
             self._on_attached(child)

@@ -5,6 +5,21 @@ table: it returns a dead child's slots (``repair``), answers ``stats()`` and ``e
 the counts that ``gigashuffle stats`` shows. Mapping the table is also the moment the trainer reads and verifies
 the buffer's metadata, and keeps it: it is what the trainer publishes again when Redis forgot the session
 (NOTE [ Rejoining ] in trainer/rejoin.py).
+
+NOTE [ The trainer holds the buffer ]
+The node buffer and its slot table are memfds: they live while some process maps them or holds an fd, and a new
+process gets them only from one that serves them (NOTE [ Attach ] in procs/attach.py). If the writer that made them
+died before any other child had attached (a loaded machine starts children late; a dataset that fails on its second
+chunk), no process served them any more: every child started later waited ``redis_timeout_s`` and died with
+``AttachError``, and the loader failed, though the rows were still in memory the trainer mapped. So:
+- the owner sends the buffer's and the table's memfds with its ``Attached``, before it commits any row: fds in
+  flight keep the files alive, so the trainer gets them even when the owner dies at once;
+- the trainer keeps an fd of each and serves them too, from its own attach socket in the runtime directory, not
+  listed in Redis (``attach-<pid>-t<id>.sock``: several loaders may share a process); a child that no listed process
+  answers finds it there (``find_served_buffer``, NOTE [ A buffer Redis forgot ]), as it would a child's;
+- the server closes with the loader; the trainer's zygote removes the socket file of a trainer that was SIGKILLed.
+A trainer that maps the table through an attach (a non-owner's ``Attached`` first, another rank's buffer) serves it
+from then on as well.
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from gigashuffle.config import DataloaderConfig
@@ -20,8 +36,11 @@ from gigashuffle.control.plane import NodeCounts
 from gigashuffle.control.session import NodeSession
 from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
 from gigashuffle.errors import AttachError, GigashuffleError, NodeLockBusy
+from gigashuffle.host.pids import process_start
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import failpoints
+from gigashuffle.procs.attach import AttachServer
+from gigashuffle.procs.forgottenbuffer import attach_info, buffer_scope
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
@@ -40,11 +59,22 @@ class TableView:
     """The node's slot table as the trainer sees it: mapped on first use, closed with the loader."""
 
     def __init__(
-        self, config: DataloaderConfig, session: NodeSession, runtime_path: Path, *, map_rows: bool = False
+        self,
+        config: DataloaderConfig,
+        session: NodeSession,
+        runtime_path: Path,
+        redis_url: str,
+        *,
+        map_rows: bool = False,
     ) -> None:
         self._config = config
         self._session = session
         self._secret = node_secret(runtime_path)
+        self._runtime_path = runtime_path
+        self._scope = buffer_scope(redis_url, config.queue_name, config.node)
+        # NOTE [ The trainer holds the buffer ]: the buffer's fd kept to serve it, and the server.
+        self._served_fd = -1
+        self._server: AttachServer | None = None
         self._table: SlotTable | None = None
         self._mapping = threading.Lock()  # a monitor thread's metrics() and the loop may both map it first
         # Mapped only for a checkpoint's copy (NOTE [ Checkpoint cut ]): with ``map_rows`` (the rank that copies
@@ -63,6 +93,16 @@ class TableView:
                     self._map()
         return self._table
 
+    def hold(self, buffer_fd: int, table_fd: int) -> None:
+        """The owner's memfds, sent with its ``Attached`` (NOTE [ The trainer holds the buffer ]): the table is
+        mapped from them unless it is already; both fds are this call's to close."""
+        with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
+            if self._table is None and "hmac" in self._session.store.meta():
+                self._map_from(buffer_fd, table_fd)
+            else:
+                os.close(buffer_fd)
+                os.close(table_fd)
+
     def _map(self) -> None:
         try:
             if failpoints.ACTIVE:
@@ -71,8 +111,17 @@ class TableView:
         except AttachError as exc:
             log.debug("slot table not mapped yet: %s", exc)
             return
+        self._map_from(buffer_fd, table_fd)
+
+    def _map_from(self, buffer_fd: int, table_fd: int) -> None:
         slots, stripes = self._config.shuffle_size, self._config.lock_stripes
-        self._table = SlotTable(slots, SharedMemory(table_nbytes(slots, stripes), table_fd), stripes=stripes)
+        try:
+            memory = SharedMemory(table_nbytes(slots, stripes), table_fd)
+        except BaseException:
+            os.close(table_fd)
+            os.close(buffer_fd)
+            raise
+        self._table = SlotTable(slots, memory, stripes=stripes)
         self._keep_meta(buffer_fd)  # closes buffer_fd, or keeps the buffer mapped from it (map_rows)
 
     def rows(self) -> SlotBuffer:
@@ -133,6 +182,7 @@ class TableView:
                 log.debug("buffer metadata not kept (a new session meanwhile?): %s", exc)
                 return
             self._meta_fields = unsigned_fields(meta)
+            self._serve(buffer_fd, int(meta["nbytes"]))
             if self._map_rows and self._buffer is None:
                 try:
                     memory = SharedMemory(int(meta["nbytes"]), buffer_fd)
@@ -145,6 +195,21 @@ class TableView:
         finally:
             if buffer_fd >= 0:
                 os.close(buffer_fd)  # the trainer reads batches from the rings, never from the buffer
+
+    def _serve(self, buffer_fd: int, nbytes: int) -> None:
+        """Serve the buffer from this process (NOTE [ The trainer holds the buffer ]) with an fd of its own."""
+        table = self._table
+        if self._server is not None or table is None or table.fd is None or os.fstat(buffer_fd).st_size < nbytes:
+            return  # serving already, or not this metadata's buffer: a child's attach answers for it
+        served = os.dup(buffer_fd)
+        try:
+            path = self._runtime_path / f"attach-{os.getpid()}-t{uuid.uuid4().hex[:8]}.sock"
+            info = attach_info(self._scope, nbytes, self._meta_fields, (os.getpid(), process_start(os.getpid())))
+            self._server = AttachServer(path, (served, table.fd), info)
+        except BaseException:
+            os.close(served)
+            raise
+        self._served_fd = served
 
     def repair_reaped(self, proc_id: str) -> None:
         """Return the slots of a child the zygote reaped (it no longer exists), mapping the table if need be."""
@@ -171,6 +236,12 @@ class TableView:
             log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._served_fd >= 0:
+            os.close(self._served_fd)
+            self._served_fd = -1
         if self._buffer is not None:
             self._buffer.memory.close()
             self._buffer = None

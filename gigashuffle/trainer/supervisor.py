@@ -84,7 +84,7 @@ class Supervisor:
         # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
         # the mode of DataloaderConfig.delivers_once); a dataset without state is never checkpointed.
         copies = stateful and config.local_rank == 0 and config.delivers_once
-        self.node_table = TableView(config, session, self.runtime_path, map_rows=copies)
+        self.node_table = TableView(config, session, self.runtime_path, link.url, map_rows=copies)
         session.counts = self.node_table.counts
         self._messages = ChildMessages(config, self.inbox, placement.adopt, self.node_table)
         self._children = Children(ChildSpecs(config, dataset, link, runtime_dir, stateful, starts), self.children)

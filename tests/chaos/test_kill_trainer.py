@@ -74,6 +74,13 @@ def test_sigkilled_trainer_takes_its_processes_along(
             if gone_at.get(pid, float("inf")) > GONE_LIMIT_S}  # fmt: skip
     assert not late, f"processes of the killed trainer still running {GONE_LIMIT_S} s later (gone after s): {late}"
     gone_s = max(gone_at.values())
+    # The trainer served the buffer on a socket of its own (NOTE [ The trainer holds the buffer ]): its zygote, the
+    # last of its processes, removed it (the next loader's start would too, so this is looked at before one).
+    wait_until(
+        lambda: not list(chaos.runtime_dir.glob(f"attach-{trainer.pid}-t*.sock")),
+        timeout_s=10.0,
+        what="the killed trainer's attach socket to be removed",
+    )
 
     stale: dict[str, Any] = {}
     if url is not None:

@@ -277,6 +277,19 @@ def passes_by_worker(passes_file: str) -> dict[int, int]:
 # -- checkpointing ---------------------------------------------------------------------------------------------
 
 
+class ProcessIds(IterableDataset):  # type: ignore[type-arg]
+    """Endless chunks of ``unique_chunk`` rows whose ids name the writer process (``pid << 32`` plus a count): a
+    respawned writer's rows never repeat its predecessor's."""
+
+    def __init__(self, chunk: int = 8) -> None:
+        self.chunk = chunk
+
+    def __iter__(self) -> Iterator[Chunk]:
+        first = os.getpid() << 32
+        for n in itertools.count(0, self.chunk):
+            yield unique_chunk(torch.arange(first + n, first + n + self.chunk, dtype=torch.int64))
+
+
 class Counter(IterableDataset):  # type: ignore[type-arg]
     """Rows ``id`` (unique), ``counter`` (per writer, from ``pos``); ``state_dict`` is ``{"pos": next counter}``."""
 

@@ -157,13 +157,13 @@ def test_pid_alive() -> None:
 
 def test_remove_stale_sockets_keeps_live_ones(runtime_dir: Path) -> None:
     dead, live = dead_pid(), os.getpid()
-    for name in (f"attach-{dead}.sock", f"attach-{live}.sock", "attach-x.sock", "secret-keep"):
+    # A child's socket names its pid; a trainer's its pid and a part of its own (NOTE [ The trainer holds the buffer ]).
+    names = (f"attach-{dead}.sock", f"attach-{dead}-t1a2b.sock", f"attach-{live}.sock", f"attach-{live}-t3c4d.sock")
+    for name in (*names, "attach-x.sock", "secret-keep"):
         (runtime_dir / name).write_bytes(b"")
     assert attach_socket_path(dead) == runtime_dir / f"attach-{dead}.sock"
-    assert remove_stale_sockets() == [runtime_dir / f"attach-{dead}.sock"]
-    assert sorted(p.name for p in runtime_dir.iterdir()) == sorted(
-        [f"attach-{live}.sock", "attach-x.sock", "secret-keep"]
-    )
+    assert sorted(remove_stale_sockets()) == sorted(runtime_dir / name for name in names[:2])
+    assert sorted(p.name for p in runtime_dir.iterdir()) == sorted([*names[2:], "attach-x.sock", "secret-keep"])
 
 
 def test_remove_socket(tmp_path: Path) -> None:
