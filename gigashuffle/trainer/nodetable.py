@@ -97,7 +97,13 @@ class TableView:
         """The owner's memfds, sent with its ``Attached`` (NOTE [ The trainer holds the buffer ]): the table is
         mapped from them unless it is already; both fds are this call's to close."""
         with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
-            if self._table is None and "hmac" in self._session.store.meta():
+            try:
+                mapped_here = self._table is None and "hmac" in self._session.store.meta()
+            except BaseException:
+                os.close(buffer_fd)
+                os.close(table_fd)
+                raise
+            if mapped_here:
                 self._map_from(buffer_fd, table_fd)
             else:
                 os.close(buffer_fd)
@@ -206,6 +212,10 @@ class TableView:
             path = self._runtime_path / f"attach-{os.getpid()}-t{uuid.uuid4().hex[:8]}.sock"
             info = attach_info(self._scope, nbytes, self._meta_fields, (os.getpid(), process_start(os.getpid())))
             self._server = AttachServer(path, (served, table.fd), info)
+        except OSError as exc:  # the children's own sockets still serve it; only the owner's early death is not covered
+            os.close(served)
+            log.warning("the trainer does not serve the node buffer (%s): its children still do", exc)
+            return
         except BaseException:
             os.close(served)
             raise
