@@ -16,8 +16,8 @@ whose children inherit it); a call site costs one test of a module constant.
 Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a draw's slots
 released, its batches not yet announced), ``reader.before_attach`` (a reader about to attach the node's buffer),
 ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
-asked its readers to pause), ``trainer.map_table`` (the trainer about to fetch the node's fds to map its slot
-table), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
+asked its readers to pause), ``trainer.map_table`` (the trainer about to map its slot table, from the owner's fds or
+fetched through an attach), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
 paused, before it lists the full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py),
 ``cut.before_buffer_copy`` (the same rank, before it copies those slots: readers resumed in the saved-rows way,
 still paused by positions).

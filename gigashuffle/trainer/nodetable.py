@@ -98,7 +98,12 @@ class TableView:
         mapped from them unless it is already; both fds are this call's to close."""
         with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
             try:
+                if failpoints.ACTIVE and self._table is None:
+                    failpoints.reached("trainer.map_table")
                 mapped_here = self._table is None and "hmac" in self._session.store.meta()
+            except AttachError as exc:  # a fail point's: the table stays unmapped, as an attach that failed leaves it
+                log.debug("slot table not mapped from the owner's fds: %s", exc)
+                mapped_here = False
             except BaseException:
                 os.close(buffer_fd)
                 os.close(table_fd)
