@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import uuid
 from pathlib import Path
 
 from gigashuffle.errors import GigashuffleError
@@ -48,6 +49,17 @@ def _ensure_private_dir(path: Path) -> None:
 
 def attach_socket_path(pid: int, directory: Path | None = None) -> Path:
     return (directory or runtime_dir()) / f"attach-{pid}.sock"
+
+
+def trainer_socket_path(directory: Path | None = None) -> Path:
+    """A new attach socket path for this trainer process, one per loader (NOTE [ The trainer holds the buffer ] in
+    trainer/nodetable.py): ``attach-<pid>-t<id>.sock``."""
+    return (directory or runtime_dir()) / f"attach-{os.getpid()}-t{uuid.uuid4().hex[:8]}.sock"
+
+
+def trainer_sockets(pid: int, directory: Path | None = None) -> list[Path]:
+    """The attach sockets of trainer process ``pid`` (``trainer_socket_path``) found in the runtime directory."""
+    return sorted((directory or runtime_dir()).glob(f"attach-{pid}-t*.sock"))
 
 
 def remove_socket(path: Path) -> None:

@@ -109,9 +109,9 @@ def _remove_dead_trainer_sockets(trainer_pid: int) -> None:
     """The attach sockets a SIGKILLed trainer left (NOTE [ The trainer holds the buffer ] in trainer/nodetable.py):
     those of its pid that no server answers on. A trainer that closed this loader normally removed its own, and one
     that lives on (another loader of it still serves) answers."""
-    from gigashuffle.host.rundir import remove_socket, runtime_dir
+    from gigashuffle.host.rundir import remove_socket, trainer_sockets
 
-    for path in runtime_dir().glob(f"attach-{trainer_pid}-t*.sock"):
+    for path in trainer_sockets(trainer_pid):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))

@@ -11,7 +11,7 @@ The node buffer and its slot table are memfds: they live while some process maps
 process gets them only from one that serves them (NOTE [ Attach ] in procs/attach.py). If the writer that made them
 died before any other child had attached (a loaded machine starts children late; a dataset that fails on its second
 chunk), no process served them any more: every child started later waited ``redis_timeout_s`` and died with
-``AttachError``, and the loader failed, though the rows were still in memory the trainer mapped. So:
+``AttachError``, and the loader failed. So:
 - the owner sends the buffer's and the table's memfds with its ``Attached``, before it commits any row: fds in
   flight keep the files alive, so the trainer gets them even when the owner dies at once;
 - the trainer keeps an fd of each and serves them too, from its own attach socket in the runtime directory, not
@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from gigashuffle.config import DataloaderConfig
@@ -37,6 +36,7 @@ from gigashuffle.control.session import NodeSession
 from gigashuffle.control.signedmeta import signed_meta, unsigned_fields, verified_layout
 from gigashuffle.errors import AttachError, GigashuffleError, NodeLockBusy
 from gigashuffle.host.pids import process_start
+from gigashuffle.host.rundir import trainer_socket_path
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.attach import AttachServer
@@ -214,7 +214,7 @@ class TableView:
             return  # serving already, or not this metadata's buffer: a child's attach answers for it
         served = os.dup(buffer_fd)
         try:
-            path = self._runtime_path / f"attach-{os.getpid()}-t{uuid.uuid4().hex[:8]}.sock"
+            path = trainer_socket_path(self._runtime_path)
             info = attach_info(self._scope, nbytes, self._meta_fields, (os.getpid(), process_start(os.getpid())))
             self._server = AttachServer(path, (served, table.fd), info)
         except OSError as exc:  # the children's own sockets still serve it; only the owner's early death is not covered

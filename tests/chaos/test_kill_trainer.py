@@ -25,6 +25,8 @@ import redis
 from chaos_datasets import ChaosDataset
 from redis_servers import wait_until
 
+from gigashuffle.host.rundir import trainer_sockets
+
 GONE_LIMIT_S = 2.0  # the bound the design promises for a SIGKILLed trainer's processes
 
 
@@ -77,7 +79,7 @@ def test_sigkilled_trainer_takes_its_processes_along(
     # The trainer served the buffer on a socket of its own (NOTE [ The trainer holds the buffer ]): its zygote, the
     # last of its processes, removed it (the next loader's start would too, so this is looked at before one).
     wait_until(
-        lambda: not list(chaos.runtime_dir.glob(f"attach-{trainer.pid}-t*.sock")),
+        lambda: not trainer_sockets(trainer.pid, chaos.runtime_dir),
         timeout_s=10.0,
         what="the killed trainer's attach socket to be removed",
     )
