@@ -22,6 +22,7 @@ _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
+MOST_RING_DEPTH = 1024  # ring slots per reader (shm/ring.py numbers returned slots in 20 bits)
 MOST_STRIPES = 16  # the most lock_stripes a config may ask for (the table's layout allows more: shm/journal.py)
 BATCH_FORMATS = ("list", "dict")
 # How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in checkpoint/positions.py.
@@ -83,9 +84,12 @@ def _check_ranges(config: ConfigFields) -> None:
         raise _fail("num_readers", config.num_readers, "use 1 or more, or 0 for a rank that only feeds the buffer")
     if config.seed is not None and not 0 <= config.seed < SEED_LIMIT:
         raise _fail("seed", config.seed, "use an int in [0, 2**63), or None for a random seed per job")
-    if config.ring_depth is not None and config.ring_depth < 2:
+    if config.ring_depth is not None and not 2 <= config.ring_depth <= MOST_RING_DEPTH:
         raise _fail(
-            "ring_depth", config.ring_depth, "readers need at least 2 batches in flight; use >= 2, or None (auto)"
+            "ring_depth",
+            config.ring_depth,
+            f"readers need at least 2 batches in flight, and a ring of more than {MOST_RING_DEPTH} holds batches no "
+            f"reader fills in time; use 2 to {MOST_RING_DEPTH}, or None (auto)",
         )
     stripes = config.lock_stripes
     if not 1 <= stripes <= MOST_STRIPES or (stripes > 1 and config.shuffle_size < stripes * config.bs * 4):

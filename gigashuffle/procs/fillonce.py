@@ -10,7 +10,7 @@ import numpy as np
 from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.chores import Backoff, Housekeeping
 from gigashuffle.procs.messages import BatchReady, PassEnd, StartPass
-from gigashuffle.procs.readerio import _IDLE_POLL_S, _gather, _take_frees
+from gigashuffle.procs.readerio import _IDLE_POLL_S, _gather, _take_frees, _wait_for_slot
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable
 
@@ -28,12 +28,12 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
     batches = per_rank // cfg.bs
     free: deque[int] = deque(range(ring.depth))
     while True:
-        for message in _take_frees(env, free, _IDLE_POLL_S):
+        for message in _take_frees(env, ring, free, _IDLE_POLL_S):
             if not isinstance(message, StartPass):
                 continue
             for b in range(batches):
                 while not free:
-                    _take_frees(env, free, _IDLE_POLL_S)
+                    _wait_for_slot(env, ring, free, _IDLE_POLL_S)
                 k = free.popleft()
                 ids = order[b * cfg.bs : (b + 1) * cfg.bs]
                 _gather(buffer, ring, k, ids, table.version[ids])

@@ -28,8 +28,9 @@ class RingReady:
 
 @dataclass(frozen=True)
 class BatchReady:
-    """Ring slots ``ks`` hold gathered batches, to be delivered in this order; the trainer answers ``FreeSlot``
-    for each once the caller drops its batch. One message per draw of the reader, not per batch."""
+    """Ring slots ``ks`` hold gathered batches, to be delivered in this order; the trainer gives each back through
+    the ring once the caller drops its batch (NOTE [ Returned ring slots ] in shm/ring.py). One message per draw of
+    the reader, not per batch."""
 
     ks: tuple[int, ...]
 
@@ -102,9 +103,8 @@ class ChildError:
 
 @dataclass(frozen=True)
 class FreeSlot:
-    """The caller dropped the batches in ring slots ``ks``: the reader may gather into them again."""
-
-    ks: tuple[int, ...]
+    """A doorbell: the trainer gave ring slots back while the reader waited for one (NOTE [ Returned ring slots ] in
+    shm/ring.py; the slots are in the ring, not in the message)."""
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 NOTE [ Reader cycle ]
 The trainer maps the reader's ring (its fd crosses once, at start); then only ``BatchReady`` (the ring slots of one
-draw's batches, in one message) and later ``FreeSlot`` cross the channel, and nothing goes to Redis. Per hold of the
-node lock the reader draws the slots of as many batches as it has free ring slots, up to
+draw's batches, in one message) crosses the channel, the slots come back through the ring (a ``FreeSlot`` doorbell
+only for a reader that waits for one: NOTE [ Returned ring slots ] in shm/ring.py), and nothing goes to Redis. Per
+hold of the node lock the reader draws the slots of as many batches as it has free ring slots, up to
 ``shuffle_size // (8 * bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and
 larger ones leave the lock free more often, and a reader never holds more than an eighth of the buffer).
 ``draw_full`` takes them uniformly at random among the full slots (``reading`` under this pid, once at least
@@ -38,7 +39,15 @@ from gigashuffle.procs.childspec import ChildSpec
 from gigashuffle.procs.chores import Backoff, Housekeeping
 from gigashuffle.procs.fillonce import _serve_passes
 from gigashuffle.procs.messages import BatchReady
-from gigashuffle.procs.readerio import _IDLE_POLL_S, _gather, _open_ring, _pause, _pausing, _take_frees
+from gigashuffle.procs.readerio import (
+    _IDLE_POLL_S,
+    _gather,
+    _open_ring,
+    _pause,
+    _pausing,
+    _take_frees,
+    _wait_for_slot,
+)
 from gigashuffle.procs.readermetrics import _WRITERS_SAMPLED, _account_draw, _count_writers
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer
 from gigashuffle.shm.counters import R_BATCHES, R_GATHER_S, R_STARVED_S, ChildCounters
@@ -79,12 +88,13 @@ def _stream(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: BatchRing
     cells = counters.cells  # NOTE [ Child counters ] in shm/counters.py
     lane = _Lane(table, reader_lane(cfg.local_rank, env.spec.index) if evict else NO_LANE)
     while True:
-        others = _take_frees(env, free, 0 if free else _IDLE_POLL_S)  # slots are drawn only with a free ring slot
+        # Slots are drawn only with a free ring slot.
+        others = _take_frees(env, ring, free, 0) if free else _wait_for_slot(env, ring, free, _IDLE_POLL_S)
         if (cut := _pausing(others)) is not None:
             if drawn is not None:  # drawn with the last release: gather them, so that the cut finds them in the ring
                 _announce(env, buffer, table, ring, free, drawn, me, lane, 0, counters)
                 drawn = None
-            _pause(env, free, cut)
+            _pause(env, ring, free, cut)
             continue
         chores.tick()
         if drawn is None:

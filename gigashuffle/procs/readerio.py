@@ -3,6 +3,7 @@ slots into it, collect freed ring slots, pause for a checkpoint's cut (NOTE [ Re
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from gigashuffle.procs import failpoints
@@ -10,6 +11,7 @@ from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.messages import FreeSlot, Pause, Paused, Rejoin, Resume, RingReady, ToChild
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
 from gigashuffle.shm.counters import ChildCounters
+from gigashuffle.shm.ring import RETURN_RECHECK_S
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 _IDLE_POLL_S = 0.5
@@ -41,18 +43,43 @@ def _gather(buffer: SlotBuffer, ring: BatchRing, k: int, slots: SlotIds, version
     kept_versions[:] = versions
 
 
-def _take_frees(env: ChildEnv, free: deque[int], block_s: float) -> list[ToChild]:
-    """Collect ``FreeSlot`` messages (waiting up to ``block_s`` for the first) and apply a ``Rejoin``; return any
-    other messages."""
+def _take_frees(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: float) -> list[ToChild]:
+    """Take the ring slots the trainer gave back and collect the channel's messages, waiting up to ``block_s`` for
+    the first (slots given back meanwhile are taken next time). Apply a ``Rejoin``; return the messages other than
+    doorbells and rejoins."""
+    ring.take_returned(free)
+    return _messages(env, block_s)
+
+
+def _wait_for_slot(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: float) -> list[ToChild]:
+    """``_take_frees`` for a reader with no free ring slot: wait up to ``block_s`` for a slot given back or a
+    message, whichever comes first (NOTE [ Returned ring slots ] in shm/ring.py)."""
+    ring.take_returned(free)
+    if free:
+        return _messages(env, 0)
+    ring.reader_waits[0] = 1  # then look again: a slot given back before the trainer saw this word rings nothing
+    try:
+        deadline = time.monotonic() + block_s
+        while True:
+            ring.take_returned(free)
+            if free:
+                return _messages(env, 0)
+            others = _messages(env, min(RETURN_RECHECK_S, max(0.0, deadline - time.monotonic())))
+            if others or time.monotonic() >= deadline:
+                ring.take_returned(free)
+                return others
+    finally:
+        ring.reader_waits[0] = 0
+
+
+def _messages(env: ChildEnv, block_s: float) -> list[ToChild]:
     others: list[ToChild] = []
     timeout = block_s
     while env.channel.poll(timeout):
         message, _ = env.channel.recv()
-        if isinstance(message, FreeSlot):
-            free.extend(message.ks)
-        elif isinstance(message, Rejoin):
+        if isinstance(message, Rejoin):
             env.rejoin(message.generation)
-        else:
+        elif not isinstance(message, FreeSlot):
             others.append(message)
         timeout = 0
     return others
@@ -65,7 +92,7 @@ def _pausing(messages: list[ToChild]) -> int | None:
     return cut[-1].cut if cut and isinstance(cut[-1], Pause) else None
 
 
-def _pause(env: ChildEnv, free: deque[int], cut: int) -> None:
+def _pause(env: ChildEnv, ring: BatchRing, free: deque[int], cut: int) -> None:
     """A checkpoint's cut (NOTE [ Checkpoint cut ] in checkpoint/cut.py): every batch drawn is announced; say so and
     draw nothing until ``Resume``."""
     env.channel.send(Paused(cut))
@@ -73,7 +100,7 @@ def _pause(env: ChildEnv, free: deque[int], cut: int) -> None:
     while paused:
         # A reader slow to read its channel (two cores, busy) may find a Resume and the next cut's Pause together:
         # that Pause needs its own Paused, or the next cut waits for this reader until it times out.
-        for message in _take_frees(env, free, _IDLE_POLL_S):
+        for message in _take_frees(env, ring, free, _IDLE_POLL_S):
             if isinstance(message, Resume):
                 paused = False
             elif isinstance(message, Pause):

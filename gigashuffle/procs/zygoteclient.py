@@ -8,7 +8,7 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.procs.channel import Channel, ChannelClosed
@@ -38,7 +38,6 @@ class ChildProcess:
     ring: BatchRing | None = None
     counters: ChildCounters | None = None  # its metrics page (NOTE [ Child counters ] in shm/counters.py)
     held: int = 0  # batches of this child's ring that the caller still holds
-    unsent: list[int] = field(default_factory=list)  # ring slots freed and not yet sent (NOTE [ Batched frees ])
     generation: str = ""  # the node session this child quotes
     attached: bool = False  # it has the node buffer mapped (so a new session costs it nothing)
     superseded: bool = False  # killed because it started under a session that is gone: start it again for free

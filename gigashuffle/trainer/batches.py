@@ -106,13 +106,12 @@ class Batches:
         sup, inbox = self._sup, self._inbox
         self.check_open()
         sup.say_go()
-        # Return the ring slots of dropped batches first (those whose copies are done, with pinned rings): all of
-        # them when the trainer is about to wait, else those of readers with half their ring to come back (NOTE
-        # [ Batched frees ]). With a batch ready, that and the hand-over are one section: only the outermost
-        # section swaps SIGINT's handler in and out (NOTE [ Ctrl-C ] in procs/interrupts.py).
+        # Give the ring slots of dropped batches back first (those whose copies are done, with pinned rings: NOTE
+        # [ A ring slot's walk ] in trainer/inbox.py). With a batch ready, that and the hand-over are one section:
+        # only the outermost section swaps SIGINT's handler in and out (NOTE [ Ctrl-C ] in procs/interrupts.py).
         with critical():
             self._placement.poll()
-            inbox.send_due(everything=not inbox.ready)
+            inbox.send_due()
             if inbox.ready:
                 self._filled()
                 return self.deliver(*inbox.pop())

@@ -9,25 +9,11 @@ A batch walks from a reader to the trainer and back through the reader, this inb
      pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
      that raises (a CUDA OOM in the device copy, a failed wait, an interrupt) still returns the slot: at once if
      nothing was queued that reads it, else once the copy stream has passed what was;
-  3. the next flush's ``buffer.reclaim()`` records a dropped batch's slot (*dropped*), ``flush`` moves it to the
-     reader's *unsent* slots and sends them back in one ``FreeSlot`` (NOTE [ Batched frees ]): the reader may
-     gather into it again.
+  3. the next flush's ``buffer.reclaim()`` records a dropped batch's slot (*dropped*), and the flush gives it back to
+     the reader through the ring (NOTE [ Returned ring slots ] in shm/ring.py): the reader may gather into it again.
 A fill_once pass (``open_pass``) ends when the reader's ``PassEnd`` has come and no batch of it is ready. Slots of a
-reader that died are never sent back (its ring is gone with it); the inbox forgets such a reader, and unmaps its
+reader that died are never given back (its ring is gone with it); the inbox forgets such a reader, and unmaps its
 ring, once no batch of it is ready or held.
-
-NOTE [ Batched frees ]
-A delivered batch is a set of views into one slot ``k`` of its reader's ring; when the caller drops the last of
-them, the next ``buffer.reclaim()`` records ``(child, k)`` (NOTE [ Reclaimed ring slots ] in shm/ring.py). The
-trainer thread drains that record: the child's ``held`` count falls at once (``Inbox.hand_over``'s copy fallback
-reads it), and ``k`` joins the child's unsent slots. Sending them is what costs: a ``FreeSlot`` is a send for the
-trainer and a wakeup and a receive for the reader, and one per batch was a tenth of the trainer's CPU on token
-rows. So:
-  * while a batch is ready, the trainer returns a reader's slots once half its ring waits to go back
-    (``frees_per_message``): the reader keeps the other half to draw into, and gets its slots in one message;
-  * whenever the trainer is about to wait (no batch ready, every pump, a pass that ends), it sends them all.
-A reader therefore never waits for a slot the trainer keeps while the trainer waits for a batch: there is no
-deadlock to construct, and the delay a reader sees is bounded by the batches the trainer had in hand anyway.
 """
 
 from __future__ import annotations
@@ -46,53 +32,38 @@ from gigashuffle.trainer.pinning import Batch, Placement
 log = logging.getLogger(__name__)
 
 
-def frees_per_message(ring_depth: int) -> int:
-    """How many of a reader's ring slots go back in one message while the trainer has batches in hand."""
-    return max(1, ring_depth // 2)
-
-
 class DroppedBatches:
-    """The ring slots of dropped batches, by reader, until the trainer sends them back (NOTE [ Batched frees ])."""
+    """The ring slots of dropped batches, until the trainer gives them back (NOTE [ A ring slot's walk ], step 3)."""
 
     def __init__(self) -> None:
         self._dropped: deque[tuple[ChildProcess, int]] = deque()  # appended by buffer.reclaim() and device copies
-        self._unsent: dict[int, ChildProcess] = {}  # id(child) -> a child with slots in child.unsent
 
     def release_later(self, child: ChildProcess, k: int) -> Callable[[], None]:
         """What returns ring slot ``k`` of ``child`` once its batch is gone, run by ``buffer.reclaim()`` inside a
         section (NOTE [ Reclaimed ring slots ] in shm/ring.py)."""
         return functools.partial(self._dropped.append, (child, k))
 
-    def due(self, *, everything: bool) -> Iterator[tuple[ChildProcess, list[int]]]:
-        """Drain the dropped batches; yield each reader's slots that are due to go back now (all of them, with
-        ``everything``), in one list per reader. The caller runs the whole loop in one ``critical()`` section: a
-        slot popped here and not yet sent is in no list."""
+    def due(self) -> Iterator[tuple[ChildProcess, int]]:
+        """Drain the dropped batches, oldest first. The caller runs the whole loop in one ``critical()`` section: a
+        slot popped here and not yet given back is in no list."""
         buffer.reclaim()  # batches whose views died since: NOTE [ Reclaimed ring slots ] in shm/ring.py
         dropped = self._dropped
         while dropped:
             child, k = dropped.popleft()
             child.held -= 1
-            child.unsent.append(k)
-            self._unsent[id(child)] = child
-        for key, child in list(self._unsent.items()):
-            if everything or child.ring is None or len(child.unsent) >= frees_per_message(child.ring.depth):
-                ks, child.unsent = child.unsent, []
-                del self._unsent[key]
-                yield child, ks
+            yield child, k
 
     def clear(self) -> None:
         self._dropped.clear()
-        for child in self._unsent.values():
-            child.unsent = []
-        self._unsent.clear()
 
 
+_DOORBELL = FreeSlot()
 # The one fill_once pass a reader runs at a time (``StartPass`` / ``PassEnd`` number).
 _PASS = 0
 
 
 class Inbox:
-    """The ring slots of this rank's readers while the trainer has them: ready, held, dropped and unsent, the pass
+    """The ring slots of this rank's readers while the trainer has them: ready, held and dropped, the pass
     protocol, and forgetting dead readers (NOTE [ A ring slot's walk ]). ``children`` is the supervisor's list of
     children: the inbox removes from it, in place, exited children it no longer refers to."""
 
@@ -180,7 +151,7 @@ class Inbox:
         while child.held >= limit and placement.pending:
             if not placement.poll():
                 placement.poll(wait=True)
-            self.flush(everything=False)
+            self.flush()
 
     def starved(self, readers: list[ChildProcess]) -> bool:
         """Whether every reader with a ring has all its slots in the caller's hands (none left to gather into)."""
@@ -188,28 +159,29 @@ class Inbox:
         return bool(rings) and all(c.ring is not None and c.held >= c.ring.depth for c in rings)
 
     # -- frees -----------------------------------------------------------------------------------------------
-    def flush(self, *, everything: bool = True) -> None:
-        """Hand the ring slots of batches the caller dropped back to their readers, one message per reader; without
-        ``everything``, only the slots that are due (NOTE [ Batched frees ])."""
-        with critical():  # a slot drained from the queue and not yet sent is in no list (NOTE [ Ctrl-C ])
-            self.send_due(everything=everything)
+    def flush(self) -> None:
+        """Give the ring slots of batches the caller dropped back to their readers."""
+        with critical():  # a slot drained from the queue and not yet given back is in no list (NOTE [ Ctrl-C ])
+            self.send_due()
 
-    def send_due(self, *, everything: bool) -> None:
+    def send_due(self) -> None:
         """``flush``'s work, for a caller already inside a ``critical()`` section (``next()``'s: a nested section
         costs a third of a microsecond a batch, and counts nothing that the outer one does not)."""
-        for child, ks in self._dropped.due(everything=everything):
-            self.free(child, *ks)
+        for child, k in self._dropped.due():
+            self.free(child, k)
         if self._dead:
             self._forget_dead()
 
-    def free(self, child: ChildProcess, *ks: int) -> None:
-        """Send ring slots ``ks`` back to ``child`` now (a dead reader's are not: its ring is gone with it)."""
-        if not child.alive:
+    def free(self, child: ChildProcess, k: int) -> None:
+        """Give ring slot ``k`` back to ``child`` now, ringing its doorbell if it waits for one (NOTE [ Returned
+        ring slots ] in shm/ring.py); a dead reader's is not given back: its ring is gone with it."""
+        ring = child.ring
+        if not child.alive or ring is None or not ring.give_back(k):
             return
         try:
-            child.channel.send(FreeSlot(ks))
+            child.channel.send(_DOORBELL)
         except OSError:
-            log.debug("%s %d is gone; its ring slots %s are not returned", child.role, child.index, ks)
+            log.debug("%s %d is gone; its doorbell for ring slot %d is not rung", child.role, child.index, k)
 
     def _forget_dead(self) -> None:
         """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to

@@ -45,7 +45,10 @@ procs/positions.py. Checked against the real code op by op: the slot table of te
 * ``draw_full`` and ``acquire_empty`` take the lowest ids (the real ones: random, and a per-process cursor);
 * the first mix's timeout (firstmix.py:376-390, 10 s) fires only when nothing else can move;
 * a reader draws one batch per hold (``shuffle_size // (8 * bs)`` is 0 -> 1 for these buffers, reader.py:141);
-* a batch handed to the caller is freed at once (``FreeSlot``; the real one when the caller drops it);
+* a batch handed to the caller is freed at once, as a message in the reader's channel order (the real one when the
+  caller drops it, through the ring, NOTE [ Returned ring slots ]: seen by the reader at once or at its next look,
+  possibly ahead of a cut message sent before it; a free ring slot only lets a reader draw, which it never does
+  between a ``Pause`` and its ``Resume``, so the cut's rows are the same in either order);
 * one round of ``_writer_states`` (send the requests, pump, take the answers; cut.py:178-194) is one step: a reply
   is read by the next round's pump;
 * the supervisor's pump (supervisor.py:174-185) is one step: it reads every message waiting on every channel,

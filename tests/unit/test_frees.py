@@ -1,29 +1,48 @@
-"""Dropped batches on their way back to their readers (NOTE [ Batched frees ] in trainer/inbox.py), without a loader.
+"""Dropped batches on their way back to their readers, through the ring (NOTE [ A ring slot's walk ] in
+trainer/inbox.py, NOTE [ Returned ring slots ] in shm/ring.py), without a loader.
 
-The children are real ``ChildProcess`` records with real rings and channels; what is checked is which ring slots
-are due to go back when, and that the count of held batches falls as soon as the trainer sees a drop.
+The children are real ``ChildProcess`` records with real rings and channels; the reader's side is the ring read as
+its loop reads it (``take_returned``, ``_take_frees``), in a second process where the ring's sharing matters.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import random
 import socket
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from gigashuffle.procs.channel import Channel
+from gigashuffle.procs.messages import FreeSlot, Resume
+from gigashuffle.procs.readerio import _take_frees, _wait_for_slot
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
-from gigashuffle.trainer.inbox import DroppedBatches, frees_per_message
+from gigashuffle.shm.memfd import SharedMemory
+from gigashuffle.trainer.inbox import DroppedBatches, Inbox
+from gigashuffle.trainer.pinning import Placement
+
+LAYOUT = Layout.from_chunk([{"id": torch.arange(4, dtype=torch.int64)}])
 
 
-def _reader(index: int, depth: int) -> ChildProcess:
-    ours, _theirs = socket.socketpair()
+def _reader(index: int, depth: int) -> tuple[ChildProcess, Channel]:
+    ours, theirs = socket.socketpair()
     child = ChildProcess("reader", index, seq=index, channel=Channel(ours))
-    child.ring = BatchRing(Layout.from_chunk([{"id": torch.arange(4, dtype=torch.int64)}]), bs=4, depth=depth)
-    return child
+    child.ring = BatchRing(LAYOUT, bs=4, depth=depth)
+    return child, Channel(theirs)
+
+
+def _taken(ring: BatchRing) -> list[int]:
+    free: deque[int] = deque()
+    ring.take_returned(free)
+    return list(free)
 
 
 def _drop(dropped: DroppedBatches, child: ChildProcess, *ks: int) -> None:
@@ -32,44 +51,139 @@ def _drop(dropped: DroppedBatches, child: ChildProcess, *ks: int) -> None:
         dropped.release_later(child, k)()
 
 
-def test_half_a_ring_goes_back_in_one_message_while_batches_are_ready() -> None:
-    reader = _reader(0, depth=8)
+def _doorbells(channel: Channel) -> int:
+    rung = 0
+    while channel.poll(0):
+        message, _fds = channel.recv()
+        assert isinstance(message, FreeSlot)
+        rung += 1
+    return rung
+
+
+def test_slots_come_back_in_the_order_given_through_every_wrap_of_the_ring() -> None:
+    child, _theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    rng = random.Random(7)
+    with_reader, with_trainer, on_the_way = deque(range(4)), [], []  # each slot is in exactly one of them
+    for _ in range(2000):  # hundreds of wraps of the return cells
+        if with_reader and (not with_trainer or rng.random() < 0.5):
+            with_trainer.append(with_reader.popleft())  # gathered and announced
+        elif with_trainer:
+            for k in rng.sample(with_trainer, rng.randint(1, len(with_trainer))):
+                with_trainer.remove(k)
+                assert not ring.give_back(k), "the doorbell asked for by a reader that does not wait"
+                on_the_way.append(k)
+        if rng.random() < 0.6:  # the reader looks now, or after more returns
+            assert _taken(ring) == on_the_way, "a return taken twice, out of order or not at all"
+            with_reader.extend(on_the_way)
+            on_the_way = []
+    assert _taken(ring) == on_the_way
+    assert _taken(ring) == []
+
+
+def _reader_process(fd: int, nbytes: int, depth: int, expected: int, out: Any) -> None:
+    ring = BatchRing(LAYOUT, bs=4, depth=depth, memory=SharedMemory(nbytes, fd))
+    free: deque[int] = deque()
+    seen: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(seen) < expected and time.monotonic() < deadline:
+        ring.take_returned(free)
+        while free:
+            k = free.popleft()
+            seen.append(k)
+            ring.seq[k] = 1  # "gathered again": the trainer's side may give it back
+    out.send(seen)
+
+
+def test_a_reader_in_another_process_takes_every_return_once_in_order() -> None:
+    depth, rounds = 8, 20_000
+    ring = BatchRing(LAYOUT, bs=4, depth=depth)
+    fd = ring.memory.fd
+    assert fd is not None
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(
+        target=_reader_process, args=(fd, ring.nbytes, depth, rounds, theirs)
+    )
+    proc.start()
+    given: list[int] = []
+    deadline = time.monotonic() + 60
+    k = 0
+    ring.seq[:] = 1
+    while len(given) < rounds and time.monotonic() < deadline:
+        if ring.seq[k] == 1:  # the reader has gathered into it again (or it never left): give it back
+            ring.seq[k] = 0
+            ring.give_back(k)
+            given.append(k)
+        k = (k + 1) % depth
+    assert ours.poll(60), "the reader process did not finish"
+    seen = ours.recv()
+    proc.join(timeout=30)
+    ring.close()
+    assert len(given) == rounds
+    assert seen == given, "the reader took a return twice, out of order, or not at all"
+
+
+def test_every_dropped_batch_is_given_back_at_once_and_held_falls() -> None:
+    child, _theirs = _reader(0, depth=8)
     dropped = DroppedBatches()
-    assert frees_per_message(8) == 4
-    _drop(dropped, reader, 5, 2, 7)
-    assert list(dropped.due(everything=False)) == []
-    assert reader.held == 0, "the held count must fall when the drop is seen, not when the slots are sent"
-    _drop(dropped, reader, 0)
-    assert list(dropped.due(everything=False)) == [(reader, [5, 2, 7, 0])]
-    assert list(dropped.due(everything=False)) == [], "slots were sent twice"
+    _drop(dropped, child, 5, 2, 7)
+    assert list(dropped.due()) == [(child, 5), (child, 2), (child, 7)]
+    assert child.held == 0, "the held count must fall when the drop is seen"
+    assert list(dropped.due()) == [], "slots were given back twice"
 
 
-def test_everything_goes_back_before_the_trainer_waits() -> None:
-    small, large = _reader(0, depth=2), _reader(1, depth=8)
-    dropped = DroppedBatches()
-    _drop(dropped, large, 3)
-    _drop(dropped, small, 1)
-    assert list(dropped.due(everything=False)) == [(small, [1])], "a 2-deep ring gets every slot back at once"
-    _drop(dropped, large, 6)
-    assert list(dropped.due(everything=True)) == [(large, [3, 6])]
-    assert list(dropped.due(everything=True)) == []
+def test_the_doorbell_rings_only_for_a_reader_that_waits() -> None:
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    inbox = Inbox(Placement(), [child])
+    inbox.free(child, 1)
+    assert _doorbells(theirs) == 0 and _taken(ring) == [1]
+    ring.reader_waits[0] = 1
+    inbox.free(child, 3)
+    inbox.free(child, 0)
+    assert _doorbells(theirs) == 2 and _taken(ring) == [3, 0]
+    child.exitcode = -9  # killed
+    inbox.free(child, 2)
+    assert _doorbells(theirs) == 0 and _taken(ring) == [], "a dead reader's slot went back"
 
 
-def test_each_reader_gets_its_own_slots() -> None:
-    first, second = _reader(0, depth=4), _reader(1, depth=4)
-    dropped = DroppedBatches()
-    _drop(dropped, first, 0)
-    _drop(dropped, second, 0)
-    _drop(dropped, second, 3)
-    _drop(dropped, first, 2)
-    assert sorted(dropped.due(everything=False), key=lambda due: due[0].index) == [(first, [0, 2]), (second, [0, 3])]
+def test_a_reader_waiting_for_a_slot_asks_for_the_doorbell_and_wakes_on_it() -> None:
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    env = SimpleNamespace(channel=theirs)
+    free: deque[int] = deque()
+    others: list[Any] = []
+    waiter = threading.Thread(target=lambda: others.extend(_wait_for_slot(env, ring, free, 30.0)))  # type: ignore[arg-type]
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not ring.reader_waits[0] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ring.reader_waits[0] == 1, "a reader about to wait for a slot did not say so"
+    Inbox(Placement(), [child]).free(child, 2)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert list(free) == [2] and others == [] and ring.reader_waits[0] == 0
+
+
+def test_a_waiting_reader_returns_other_messages_and_stops_waiting_for_slots() -> None:
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    env = SimpleNamespace(channel=theirs)
+    child.channel.send(Resume())
+    free: deque[int] = deque()
+    assert _wait_for_slot(env, ring, free, 30.0) == [Resume()]  # type: ignore[arg-type]
+    assert list(free) == [] and ring.reader_waits[0] == 0
 
 
 def test_drops_from_other_threads_are_all_seen() -> None:
-    reader = _reader(0, depth=4)
+    child, _theirs = _reader(0, depth=4)
     dropped = DroppedBatches()
-    reader.held = 400
-    releases = [dropped.release_later(reader, k % 4) for k in range(400)]
+    child.held = 400
+    releases = [dropped.release_later(child, k % 4) for k in range(400)]
 
     def drop_all(part: list[Callable[[], None]]) -> None:
         for release in part:
@@ -80,18 +194,39 @@ def test_drops_from_other_threads_are_all_seen() -> None:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
-    sent = [k for _child, ks in dropped.due(everything=True) for k in ks]
-    assert reader.held == 0
+    sent = [k for _child, k in dropped.due()]
+    assert child.held == 0
     assert sorted(sent) == sorted(k % 4 for k in range(400))
 
 
-def test_a_reader_without_a_ring_gets_its_slots_at_once_and_clear_forgets_the_rest() -> None:
-    gone, alive = _reader(0, depth=8), _reader(1, depth=8)
-    dropped = DroppedBatches()
-    _drop(dropped, gone, 1)
-    _drop(dropped, alive, 4)
-    gone.ring = None  # the supervisor closes a dead reader's ring; nothing waits for a threshold it cannot reach
-    assert list(dropped.due(everything=False)) == [(gone, [1])]
-    dropped.clear()
-    assert alive.unsent == []
-    assert list(dropped.due(everything=True)) == []
+def test_a_reader_with_free_slots_still_waits_for_its_messages() -> None:
+    """A paused reader (or a fill_once reader between passes) with free ring slots waits on its channel, not in a
+    busy loop: the slots it has are no reason to return early."""
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    env = SimpleNamespace(channel=theirs)
+    free: deque[int] = deque([1])
+    started = time.monotonic()
+    assert _take_frees(env, ring, free, 0.3) == []  # type: ignore[arg-type]
+    assert time.monotonic() - started >= 0.29, "returned at once with nothing to say"
+    assert list(free) == [1] and ring.reader_waits[0] == 0
+    ring.give_back(3)  # a slot given back meanwhile: taken, and still no early return
+    started = time.monotonic()
+    assert _take_frees(env, ring, free, 0.3) == []  # type: ignore[arg-type]
+    assert time.monotonic() - started >= 0.29, "a slot given back ended a wait for messages"
+    assert list(free) == [1, 3]
+
+
+def test_a_reader_with_no_free_slot_does_not_wait_once_one_came_back() -> None:
+    """The stream's reader asks for a slot while it has none: one given back before it looked means no wait."""
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    env = SimpleNamespace(channel=theirs)
+    free: deque[int] = deque()
+    ring.give_back(2)
+    started = time.monotonic()
+    assert _wait_for_slot(env, ring, free, 30.0) == []  # type: ignore[arg-type]
+    assert time.monotonic() - started < 20, "waited for a slot it had been given"
+    assert list(free) == [2] and ring.reader_waits[0] == 0

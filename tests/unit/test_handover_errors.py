@@ -1,13 +1,13 @@
 """A hand-over that raises still returns its ring slot (issue 33; NOTE [ A ring slot's walk ] in trainer/inbox.py):
 a CUDA OOM in the device copy, a failed wait for a pinned copy, a copy that cannot be allocated, an interrupt, and
 the caller's own step that fails on a batch it was handed.
-Without a loader: a real ``ChildProcess`` record with a real ring, and the reader's end of its channel to see
-which slots come back."""
+Without a loader: a real ``ChildProcess`` record with a real ring, read as its reader takes the slots given back."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +16,6 @@ from fakecuda import FakeCuda
 
 from gigashuffle import DataloaderConfig
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.messages import FreeSlot
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
@@ -35,14 +34,12 @@ def reader() -> Iterator[tuple[ChildProcess, Channel]]:
     child.ring.close()
 
 
-def _returned(channel: Channel) -> list[int]:
-    """The ring slots the reader got back so far."""
-    ks: list[int] = []
-    while channel.poll(0.0):
-        message, _fds = channel.recv()
-        assert isinstance(message, FreeSlot)
-        ks.extend(message.ks)
-    return ks
+def _returned(child: ChildProcess) -> list[int]:
+    """The ring slots the reader got back so far, as its loop takes them (NOTE [ Returned ring slots ])."""
+    ks: deque[int] = deque()
+    assert child.ring is not None
+    child.ring.take_returned(ks)
+    return list(ks)
 
 
 class _CannotCopy(Placement):
@@ -72,12 +69,12 @@ class _FailingWait(CudaPlacement):
 def test_a_copy_that_cannot_be_made_for_a_caller_holding_the_ring_returns_the_slot(
     reader: tuple[ChildProcess, Channel],
 ) -> None:
-    child, theirs = reader
+    child, _theirs = reader
     inbox = Inbox(_CannotCopy(), [child])
     child.held = DEPTH - 1  # the caller holds the rest of the ring: the hand-over is a copy
     with pytest.raises(MemoryError):
         inbox.hand_over(child, 1)
-    assert _returned(theirs) == [1] and child.held == DEPTH - 1
+    assert _returned(child) == [1] and child.held == DEPTH - 1
 
 
 def test_a_batch_the_callers_collate_like_step_fails_on_returns_its_slot(
@@ -85,7 +82,7 @@ def test_a_batch_the_callers_collate_like_step_fails_on_returns_its_slot(
 ) -> None:
     """The caller's step after ``next()`` (a collate, a transform) raises with the batch in its frame: once the
     exception is handled, nothing holds the batch and the next flush returns its slot."""
-    child, theirs = reader
+    child, _theirs = reader
     inbox = Inbox(Placement(), [child])
 
     def collate(batch: Batch) -> None:
@@ -95,25 +92,25 @@ def test_a_batch_the_callers_collate_like_step_fails_on_returns_its_slot(
         with contextlib.suppress(ValueError):
             collate(inbox.hand_over(child, k))
         inbox.flush()
-        assert _returned(theirs) == [k] and child.held == 0
+        assert _returned(child) == [k] and child.held == 0
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_failed_wait_for_a_pinned_copy_returns_the_slot(
     reader: tuple[ChildProcess, Channel], error: type[BaseException]
 ) -> None:
-    child, theirs = reader
+    child, _theirs = reader
     inbox = Inbox(_FailingWait(error), [child])
     child.held = DEPTH - 1
     with pytest.raises(error):
         inbox.hand_over(child, 0)
-    assert _returned(theirs) == [0] and child.held == DEPTH - 1
+    assert _returned(child) == [0] and child.held == DEPTH - 1
 
 
 def test_device_mode_out_of_memory_more_times_than_the_ring_is_deep_loses_no_slot(
     reader: tuple[ChildProcess, Channel],
 ) -> None:
-    child, theirs = reader
+    child, _theirs = reader
     assert child.ring is not None
     cuda = FakeCuda(devices=1)
     place = placement(DataloaderConfig(bs=4, shuffle_size=64, queue_name="q", device="cuda"), cuda)
@@ -125,7 +122,7 @@ def test_device_mode_out_of_memory_more_times_than_the_ring_is_deep_loses_no_slo
             inbox.hand_over(child, n % DEPTH)
         place.poll()
         inbox.flush()
-        assert _returned(theirs) == [n % DEPTH] and child.held == 0
+        assert _returned(child) == [n % DEPTH] and child.held == 0
     batch = inbox.hand_over(child, 0)  # and the copies work again
     assert cuda.on_device(batch[0]["id"])
     place.close()

@@ -227,7 +227,7 @@ def _read(workload: Workload, shared: _Shared, i: int, to_trainer: int, from_tra
     rings = shared.rings[i]
     read = 0
     while time.monotonic() < deadline:
-        if not free:  # every ring slot is with the trainer: wait for one, as a reader does for FreeSlot
+        if not free:  # every ring slot is with the trainer: wait for one, as a reader does
             if select.select([from_trainer], [], [], _TRAINER_POLL_S)[0]:
                 free.extend(os.read(from_trainer, 256))
             continue
