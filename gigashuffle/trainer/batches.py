@@ -111,7 +111,7 @@ class Batches:
         # only the outermost section swaps SIGINT's handler in and out (NOTE [ Ctrl-C ] in procs/interrupts.py).
         with critical():
             self._placement.poll()
-            inbox.send_due()
+            inbox.give_back_dropped()
             if inbox.ready:
                 self._filled()
                 return self.deliver(*inbox.pop())

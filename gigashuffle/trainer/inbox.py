@@ -162,9 +162,9 @@ class Inbox:
     def flush(self) -> None:
         """Give the ring slots of batches the caller dropped back to their readers."""
         with critical():  # a slot drained from the queue and not yet given back is in no list (NOTE [ Ctrl-C ])
-            self.send_due()
+            self.give_back_dropped()
 
-    def send_due(self) -> None:
+    def give_back_dropped(self) -> None:
         """``flush``'s work, for a caller already inside a ``critical()`` section (``next()``'s: a nested section
         costs a third of a microsecond a batch, and counts nothing that the outer one does not)."""
         for child, k in self._dropped.due():

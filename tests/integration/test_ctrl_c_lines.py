@@ -24,6 +24,7 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm import buffer
+from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.trainer.batches import Batches
 from gigashuffle.trainer.childmessages import ChildMessages
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
@@ -35,8 +36,9 @@ TRACED: set[CodeType] = {
     Batches.next_batch.__code__,
     Batches.deliver.__code__,
     Inbox.flush.__code__,
-    Inbox.send_due.__code__,
+    Inbox.give_back_dropped.__code__,
     Inbox.free.__code__,
+    BatchRing.give_back.__code__,
     Supervisor._drain.__code__,
     ChildMessages.on_message.__code__,
     DroppedBatches.due.__code__,
