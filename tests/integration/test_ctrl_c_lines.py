@@ -138,7 +138,9 @@ def test_sigint_at_every_line_of_the_batch_path_loses_no_ring_slot(redis_url: st
                 sys.settrace(None)
                 batch = None  # one the interrupt kept from the del above
             fired += injector.fired
-        assert fired >= 20, f"only {fired} of 200 steps reached their line: the tracer misses the batch path"
+        # A step fires only if its next() runs more traced lines than its number: 17-31 of 200 do since ring slots
+        # go back through the ring (no send on the path); a tracer that misses the path fires none.
+        assert fired >= 10, f"only {fired} of 200 steps reached their line: the tracer misses the batch path"
         try:  # one interrupt deferred in the last step's release callback is raised by the next section's end
             with critical():
                 pass
