@@ -4,14 +4,11 @@ Used between a trainer and its own children (socketpairs that only our process t
 there) and, with JSON payloads, on the attach socket.
 
 NOTE [ Per-batch messages ]
-``BatchReady(ks)`` crosses at most once per batch (a reader announces the batches of one draw in one message) and
-only ever names ring slots, so there are few distinct ones per reader (a ring holds 4 to 8 slots by default, and a
-draw takes the free ones in the order they came back; the caches keep at most ``_MAX_REUSED`` of each side); a
-``FreeSlot`` doorbell (NOTE [ Returned ring slots ] in shm/ring.py) is always the same. Pickling a dataclass costs a
-few microseconds (more than the send), so ``send`` reuses the pickle of an equal message sent before and ``recv``
-the object unpickled from an equal payload before; both types are frozen (immutable, compared by value), so a shared
-instance is indistinguishable from a fresh one. Other messages (contexts, states: arbitrary and
-possibly mutable objects) are pickled every time.
+The doorbells ``BatchReady`` and ``FreeSlot`` (NOTE [ Slot queues ] in shm/slotqueue.py) may cross once per batch
+each way, and each is always the same message. Pickling a dataclass costs a few microseconds (more than the send),
+so ``send`` reuses the pickle of an equal message sent before and ``recv`` the object unpickled from an equal
+payload before; both types are frozen (immutable, compared by value), so a shared instance is indistinguishable from
+a fresh one. Other messages (contexts, states: arbitrary and possibly mutable objects) are pickled every time.
 """
 
 from __future__ import annotations

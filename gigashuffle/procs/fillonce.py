@@ -9,7 +9,7 @@ import numpy as np
 
 from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.chores import Backoff, Housekeeping
-from gigashuffle.procs.messages import BatchReady, PassEnd, StartPass
+from gigashuffle.procs.messages import BATCH_DOORBELL, PassEnd, StartPass
 from gigashuffle.procs.readerio import _IDLE_POLL_S, _gather, _take_frees, _wait_for_slot
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer
 from gigashuffle.shm.slottable import SlotTable
@@ -37,5 +37,6 @@ def _serve_passes(env: ChildEnv, buffer: SlotBuffer, table: SlotTable, ring: Bat
                 k = free.popleft()
                 ids = order[b * cfg.bs : (b + 1) * cfg.bs]
                 _gather(buffer, ring, k, ids, table.version[ids])
-                env.channel.send(BatchReady((k,)))
+                if ring.announcements.put((k,)):  # NOTE [ Slot queues ] in shm/slotqueue.py
+                    env.channel.send(BATCH_DOORBELL)
             env.channel.send(PassEnd(message.number))

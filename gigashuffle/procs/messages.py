@@ -28,11 +28,8 @@ class RingReady:
 
 @dataclass(frozen=True)
 class BatchReady:
-    """Ring slots ``ks`` hold gathered batches, to be delivered in this order; the trainer gives each back through
-    the ring once the caller drops its batch (NOTE [ Returned ring slots ] in shm/ring.py). One message per draw of
-    the reader, not per batch."""
-
-    ks: tuple[int, ...]
+    """A doorbell: the reader announced batches while the trainer waited for one (the ring slots are in the ring's
+    announcements, not in the message: NOTE [ Slot queues ] in shm/slotqueue.py)."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +100,8 @@ class ChildError:
 
 @dataclass(frozen=True)
 class FreeSlot:
-    """A doorbell: the trainer gave ring slots back while the reader waited for one (NOTE [ Returned ring slots ] in
-    shm/ring.py; the slots are in the ring, not in the message)."""
+    """A doorbell: the trainer gave ring slots back while the reader waited for one (the slots are in the ring's
+    returns, not in the message: NOTE [ Slot queues ] in shm/slotqueue.py)."""
 
 
 @dataclass(frozen=True)
@@ -209,3 +206,8 @@ class Exited:
 
 
 ZygoteEvent = Spawned | Exited
+
+
+# The doorbells are always the same (NOTE [ Per-batch messages ] in procs/channel.py).
+BATCH_DOORBELL = BatchReady()
+SLOT_DOORBELL = FreeSlot()

@@ -38,7 +38,7 @@ from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.childspec import ChildSpec
 from gigashuffle.procs.chores import Backoff, Housekeeping
 from gigashuffle.procs.fillonce import _serve_passes
-from gigashuffle.procs.messages import BatchReady
+from gigashuffle.procs.messages import BATCH_DOORBELL
 from gigashuffle.procs.readerio import (
     _IDLE_POLL_S,
     _gather,
@@ -157,7 +157,8 @@ def _announce(
         failpoints.reached("reader.after_release")
     if released != len(slots):
         raise AssertionError(f"reader {me} lost slots it was reading (repaired as a dead holder's?)")
-    env.channel.send(BatchReady(tuple(ring_slots)))
+    if ring.announcements.put(ring_slots):  # the trainer waits for a batch (NOTE [ Slot queues ])
+        env.channel.send(BATCH_DOORBELL)
     return following
 
 

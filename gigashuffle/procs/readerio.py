@@ -11,7 +11,7 @@ from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.messages import FreeSlot, Pause, Paused, Rejoin, Resume, RingReady, ToChild
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
 from gigashuffle.shm.counters import ChildCounters
-from gigashuffle.shm.ring import RETURN_RECHECK_S
+from gigashuffle.shm.slotqueue import RECHECK_S
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 _IDLE_POLL_S = 0.5
@@ -47,29 +47,29 @@ def _take_frees(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: float
     """Take the ring slots the trainer gave back and collect the channel's messages, waiting up to ``block_s`` for
     the first (slots given back meanwhile are taken next time). Apply a ``Rejoin``; return the messages other than
     doorbells and rejoins."""
-    ring.take_returned(free)
+    free.extend(ring.returns.take())
     return _messages(env, block_s)
 
 
 def _wait_for_slot(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: float) -> list[ToChild]:
     """``_take_frees`` for a reader with no free ring slot: wait up to ``block_s`` for a slot given back or a
-    message, whichever comes first (NOTE [ Returned ring slots ] in shm/ring.py)."""
-    ring.take_returned(free)
+    message, whichever comes first (NOTE [ Slot queues ] in shm/slotqueue.py)."""
+    free.extend(ring.returns.take())
     if free:
         return _messages(env, 0)
-    ring.reader_waits[0] = 1  # then look again: a slot given back before the trainer saw this word rings nothing
+    ring.returns.waits[0] = 1  # then look again: a slot given back before the trainer saw this word rings nothing
     try:
         deadline = time.monotonic() + block_s
         while True:
-            ring.take_returned(free)
+            free.extend(ring.returns.take())
             if free:
                 return _messages(env, 0)
-            others = _messages(env, min(RETURN_RECHECK_S, max(0.0, deadline - time.monotonic())))
+            others = _messages(env, min(RECHECK_S, max(0.0, deadline - time.monotonic())))
             if others or time.monotonic() >= deadline:
-                ring.take_returned(free)
+                free.extend(ring.returns.take())
                 return others
     finally:
-        ring.reader_waits[0] = 0
+        ring.returns.waits[0] = 0
 
 
 def _messages(env: ChildEnv, block_s: float) -> list[ToChild]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from gigashuffle.schema import INDEX_KEY, Layout
 from gigashuffle.shm.memfd import SharedMemory
 from gigashuffle.shm.rowcopies import _align, _field_offsets, numpy_dtype, row_elements
+from gigashuffle.shm.slotqueue import SlotQueue, queue_bytes
 
 # NOTE [ Reclaimed ring slots ]
 # A ring slot goes back to its reader once every view of its batch is gone. That moment is the caller's: the last
@@ -55,24 +55,6 @@ def reclaim() -> int:
 def handed_out() -> int:
     """Batches handed out whose slots ``reclaim()`` has not returned yet (alive, or dead and not yet walked)."""
     return len(_HANDED)
-
-
-# NOTE [ Returned ring slots ]
-# The trainer gives a reader's ring slots back through the ring itself, not a message: a send per batch was one of the
-# largest items of the trainer's CPU, and its receive one of the reader's (docs/benchmarks.md). The ``n``-th slot
-# given back is written as one int64 word, ``n << 20 | k``, into cell ``(n - 1) % depth``; the reader takes returns in
-# order and knows the ``n``-th has come when its cell holds ``n``. One aligned 8-byte store is seen whole or not at
-# all on every CPU we run on, so no second word (a head index) has to be ordered against it. The cell is free to
-# overwrite: when the trainer gives back its ``n``-th slot, every other slot returned and not yet taken is one of at
-# most ``depth - 1``, and the reader takes in order, so return ``n - depth`` was taken.
-# Only a reader about to block needs a wake-up: it stores 1 in ``reader_waits``, looks at its next cell again, and
-# only then waits on its channel; the trainer, after each store, rings the doorbell (an empty ``FreeSlot``) if it
-# reads 1 there. Each side stores and then loads the other's word, and a CPU may order that load first (x86 and Arm
-# both may), so both can miss each other; the reader's wait is therefore never longer than ``RETURN_RECHECK_S``, after
-# which it looks again: a missed doorbell costs that much once, never a hang.
-_RETURN_SHIFT = 20
-_RETURN_SLOT = (1 << _RETURN_SHIFT) - 1
-RETURN_RECHECK_S = 0.01
 
 
 def _numpy_cut(dtype: torch.dtype) -> tuple[np.dtype[Any], torch.dtype | None]:
@@ -121,17 +103,16 @@ class BatchRing:
         self.slot_bytes = _align(fields_bytes + bs * 24)
         seq_at = self.slot_bytes * depth
         returns_at = seq_at + _align(8 * depth)
-        self.nbytes = returns_at + _align(8 * (depth + 1))
+        announcements_at = returns_at + _align(queue_bytes(depth))
+        self.nbytes = announcements_at + _align(queue_bytes(depth))
         self.memory = memory or SharedMemory(self.nbytes, name="gigashuffle-ring")
         # Per ring slot, the sequence number of the batch the reader gathered into it and has not yet announced; 0
         # once the trainer has it (NOTE [ Lanes ] in shm/lanes.py).
         self.seq = self.memory.numpy_view(seq_at, 8 * depth).view(np.int64)
-        # The trainer's returns of ring slots, and the reader's word that it waits for one (NOTE [ Returned ring
-        # slots ]); each process counts its own side in a private attribute.
-        self.returned = self.memory.numpy_view(returns_at, 8 * depth).view(np.int64)
-        self.reader_waits = self.memory.numpy_view(returns_at + 8 * depth, 8).view(np.int64)
-        self._given = 0  # trainer: slots given back so far
-        self._taken = 0  # reader: returns taken so far
+        # The ring's slots on their way, both ways (NOTE [ Slot queues ] in shm/slotqueue.py): gathered batches to
+        # the trainer, and slots of dropped batches back to the reader.
+        self.announcements = SlotQueue(self._words(announcements_at, queue_bytes(depth)), depth)
+        self.returns = SlotQueue(self._words(returns_at, queue_bytes(depth)), depth)
         self._regions: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._versions: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
         self._origins: dict[int, np.ndarray[Any, np.dtype[np.int64]]] = {}
@@ -206,30 +187,14 @@ class BatchRing:
         batch[0][INDEX_KEY] = torch.from_numpy(np.ndarray((self.bs,), np.int64, owner, self.index_offset))
         return batch
 
-    def give_back(self, k: int) -> bool:
-        """Trainer: ring slot ``k`` goes back to the reader (NOTE [ Returned ring slots ]); whether the reader waits
-        for a slot and needs its doorbell rung."""
-        n = self._given + 1
-        self.returned[(n - 1) % self.depth] = (n << _RETURN_SHIFT) | k
-        self._given = n
-        return bool(self.reader_waits[0])
-
-    def take_returned(self, free: deque[int]) -> None:
-        """Reader: append the ring slots the trainer gave back since the last call to ``free``, in return order."""
-        returned, depth = self.returned, self.depth
-        n = self._taken + 1
-        while True:
-            word = int(returned[(n - 1) % depth])
-            if word >> _RETURN_SHIFT != n:  # not written yet: the cell holds the return ``depth`` before it
-                break
-            free.append(word & _RETURN_SLOT)
-            n += 1
-        self._taken = n - 1
+    def _words(self, offset: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return self.memory.numpy_view(offset, nbytes).view(np.int64)
 
     def close(self) -> None:
         self._regions.clear()
         self._versions.clear()
         self._origins.clear()
         self._targets.clear()
-        self.seq = self.returned = self.reader_waits = np.empty(0, dtype=np.int64)
+        self.seq = np.empty(0, dtype=np.int64)
+        self.announcements = self.returns = SlotQueue(np.zeros(1, dtype=np.int64), 0)
         self.memory.close()

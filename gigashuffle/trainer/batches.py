@@ -112,7 +112,7 @@ class Batches:
         with critical():
             self._placement.poll()
             inbox.give_back_dropped()
-            if inbox.ready:
+            if inbox.ready or inbox.collect():
                 self._filled()
                 return self.deliver(*inbox.pop())
         self._wait_for_batch()

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gigashuffle.config import DataloaderConfig
+from gigashuffle.procs.channel import ChannelClosed
+from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import Attached, BatchReady, ChildError, MixShare, PassEnd, RingReady
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
@@ -41,8 +43,8 @@ class ChildMessages:
 
     def on_message(self, child: ChildProcess, message: object, fds: list[int]) -> None:
         if isinstance(message, BatchReady):
-            self.inbox.announced(child, message.ks)
-        elif isinstance(message, RingReady):
+            return  # a doorbell: the supervisor took the announcements before it read this (NOTE [ Slot queues ])
+        if isinstance(message, RingReady):
             memory = SharedMemory(message.nbytes, fds[0])
             memory.close_fd()
             layout = Layout.from_json(message.layout_json)
@@ -94,3 +96,19 @@ def map_counters(child: ChildProcess, fds: list[int]) -> None:
         raise
     counters.memory.close_fd()  # the mapping keeps the page
     child.counters = counters
+
+
+def drain(child: ChildProcess, inbox: Inbox, on_message: Handler) -> None:
+    """Apply every message ``child`` sent so far, each after the batches it announced before sending it (NOTE [ Slot
+    queues ] in shm/slotqueue.py): a cut's listing after a ``Paused``, or a pass's end after a ``PassEnd``, sees
+    every batch announced before it."""
+    try:
+        while True:
+            with critical():  # a message read by half leaves the stream out of frame (NOTE [ Ctrl-C ])
+                inbox.take_announced(child)
+                if not child.channel.poll(0):
+                    return
+                message, fds = child.channel.recv()
+                on_message(child, message, fds)
+    except (ChannelClosed, ConnectionError):
+        return  # the zygote reports the exit status; the error text, if any, was read above

@@ -2,15 +2,16 @@
 
 NOTE [ A ring slot's walk ]
 A batch walks from a reader to the trainer and back through the reader, this inbox and the reader's ring only:
-  1. the reader gathers rows into ring slot ``k`` and announces it (``BatchReady``); the supervisor's pump hands the
-     announcement to ``Inbox.announced``: the slot is *ready*;
+  1. the reader gathers rows into ring slot ``k`` and announces it through the ring (NOTE [ Slot queues ] in
+     shm/slotqueue.py); the trainer takes it (``Inbox.collect``, every ``next()`` and pump, and before each message
+     it reads from that reader): the slot is *ready*;
   2. the loader ``pop()``s it and ``hand_over()`` makes the batch: views of the ring (the slot is *held* until the
      caller drops the last of them), a device copy (held until the copy is done: NOTE [ GPU placement ] in
      pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
      that raises (a CUDA OOM in the device copy, a failed wait, an interrupt) still returns the slot: at once if
      nothing was queued that reads it, else once the copy stream has passed what was;
   3. the next flush's ``buffer.reclaim()`` records a dropped batch's slot (*dropped*), and the flush gives it back to
-     the reader through the ring (NOTE [ Returned ring slots ] in shm/ring.py): the reader may gather into it again.
+     the reader through the ring (NOTE [ Slot queues ]): the reader may gather into it again.
 A fill_once pass (``open_pass``) ends when the reader's ``PassEnd`` has come and no batch of it is ready. Slots of a
 reader that died are never given back (its ring is gone with it); the inbox forgets such a reader, and unmaps its
 ring, once no batch of it is ready or held.
@@ -24,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from gigashuffle.procs.interrupts import critical
-from gigashuffle.procs.messages import FreeSlot, StartPass
+from gigashuffle.procs.messages import SLOT_DOORBELL, StartPass
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.shm import buffer
 from gigashuffle.trainer.pinning import Batch, Placement
@@ -57,7 +58,6 @@ class DroppedBatches:
         self._dropped.clear()
 
 
-_DOORBELL = FreeSlot()
 # The one fill_once pass a reader runs at a time (``StartPass`` / ``PassEnd`` number).
 _PASS = 0
 
@@ -76,7 +76,32 @@ class Inbox:
         self._pass_open = False
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
 
-    # -- what the readers said (the supervisor's pump) -------------------------------------------------------
+    # -- what the readers announced -------------------------------------------------------------------------
+    def collect(self) -> int:
+        """Take every reader's new announcements (NOTE [ Slot queues ] in shm/slotqueue.py); how many batches. The
+        caller is inside a ``critical()`` section: a slot taken from a ring and not yet ready is in no list."""
+        return sum(self.take_announced(child) for child in self._children if child.ring is not None)
+
+    def take_announced(self, child: ChildProcess) -> int:
+        """Take ``child``'s new announcements; how many batches (the caller is inside a ``critical()`` section)."""
+        ring = child.ring
+        if ring is None:
+            return 0
+        ks = ring.announcements.take()
+        if ks:
+            self.announced(child, ks)
+        return len(ks)
+
+    def wait_for_announcements(self, waiting: bool) -> int:
+        """Ask every reader with a ring for a doorbell when it announces (``waiting``), or stop asking (NOTE [ Slot
+        queues ]); how many were asked."""
+        flag, asked = int(waiting), 0
+        for child in self._children:
+            if child.ring is not None:
+                child.ring.announcements.waits[0] = flag
+                asked += 1
+        return asked
+
     def announced(self, child: ChildProcess, ks: Iterable[int]) -> None:
         ks = tuple(ks)
         if child.ring is not None:
@@ -173,13 +198,13 @@ class Inbox:
             self._forget_dead()
 
     def free(self, child: ChildProcess, k: int) -> None:
-        """Give ring slot ``k`` back to ``child`` now, ringing its doorbell if it waits for one (NOTE [ Returned
-        ring slots ] in shm/ring.py); a dead reader's is not given back: its ring is gone with it."""
+        """Give ring slot ``k`` back to ``child`` now, ringing its doorbell if it waits for one (NOTE [ Slot queues ]
+        in shm/slotqueue.py); a dead reader's is not given back: its ring is gone with it."""
         ring = child.ring
-        if not child.alive or ring is None or not ring.give_back(k):
+        if not child.alive or ring is None or not ring.returns.put((k,)):
             return
         try:
-            child.channel.send(_DOORBELL)
+            child.channel.send(SLOT_DOORBELL)
         except OSError:
             log.debug("%s %d is gone; its doorbell for ring slot %d is not rung", child.role, child.index, k)
 

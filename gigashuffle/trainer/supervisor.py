@@ -30,14 +30,14 @@ from typing import Any, TypeVar
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
 from gigashuffle.errors import GigashuffleError
-from gigashuffle.procs.channel import ChannelClosed
 from gigashuffle.procs.childspec import proc_name
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import Spawned, ToChild, ZygoteEvent
 from gigashuffle.procs.zygoteclient import ChildProcess
+from gigashuffle.shm.slotqueue import RECHECK_S
 from gigashuffle.shm.slottable import SlotTable
 from gigashuffle.trainer import rejoin
-from gigashuffle.trainer.childmessages import ChildMessages
+from gigashuffle.trainer.childmessages import ChildMessages, drain
 from gigashuffle.trainer.children import Children
 from gigashuffle.trainer.childspecs import ChildSpecs, WriterStarts
 from gigashuffle.trainer.deaths import DeathHandler, Deaths
@@ -151,9 +151,21 @@ class Supervisor:
 
     def _pump(self, timeout: float) -> None:
         self.raise_if_failed()
-        self.inbox.flush()
+        inbox = self.inbox
+        inbox.flush()
         live = [c for c in self.children if c.alive]
-        readable, _, _ = select.select([self.zygote.channel, *(c.channel for c in live)], [], [], timeout)
+        # Ask the readers for a doorbell, then look at their rings again: a batch announced before a reader saw the
+        # request rang nothing, and a missed doorbell costs at most RECHECK_S (NOTE [ Slot queues ]).
+        if inbox.wait_for_announcements(True):
+            timeout = min(timeout, RECHECK_S)
+        try:
+            with critical():
+                if inbox.collect():
+                    timeout = 0
+            channels = [self.zygote.channel, *(c.channel for c in live)]
+            readable, _, _ = select.select(channels, [], [], timeout)
+        finally:
+            inbox.wait_for_announcements(False)
         for child in live:
             if child.channel in readable:
                 self._drain(child)
@@ -177,13 +189,7 @@ class Supervisor:
             raise self.failure
 
     def _drain(self, child: ChildProcess) -> None:
-        try:
-            while child.channel.poll(0):
-                with critical():  # a message read by half leaves the stream out of frame (NOTE [ Ctrl-C ])
-                    message, fds = child.channel.recv()
-                    self._messages.on_message(child, message, fds)
-        except (ChannelClosed, ConnectionError):
-            return  # the zygote reports the exit status; the error text, if any, was read above
+        drain(child, self.inbox, self._messages.on_message)
 
     def _on_zygote_event(self, event: ZygoteEvent) -> None:
         if isinstance(event, Spawned):

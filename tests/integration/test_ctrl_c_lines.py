@@ -24,7 +24,7 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.shm import buffer
-from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.slotqueue import SlotQueue
 from gigashuffle.trainer.batches import Batches
 from gigashuffle.trainer.childmessages import ChildMessages
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
@@ -38,7 +38,9 @@ TRACED: set[CodeType] = {
     Inbox.flush.__code__,
     Inbox.give_back_dropped.__code__,
     Inbox.free.__code__,
-    BatchRing.give_back.__code__,
+    SlotQueue.put.__code__,
+    SlotQueue.take.__code__,
+    Inbox.take_announced.__code__,
     Supervisor._drain.__code__,
     ChildMessages.on_message.__code__,
     DroppedBatches.due.__code__,

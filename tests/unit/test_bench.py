@@ -21,6 +21,7 @@ from gigashuffle.tools.bench.baselines import (
     timed_batches,
 )
 from gigashuffle.tools.bench.cpu import CpuMeter
+from gigashuffle.tools.bench.ranks import STEP_MS_VARIABLE, with_training_step
 from gigashuffle.tools.bench.shapedfloor import Shape, ring_depth, shaped_floor, writers_lead
 from gigashuffle.tools.bench.stamps import ChunkStamps
 from gigashuffle.tools.bench.workloads import (
@@ -380,3 +381,21 @@ def test_elastic_bench_shards_hold_every_id_once_and_its_row_names_each_value(tm
     runs = [dict(zip(names, (1.25, 3.0, 0.0, 0.5, 1.0), strict=True)),
             dict(zip(names, (2.0, 5.0, 0.0, 0.25, 2.0), strict=True))]  # fmt: skip
     assert elastic._row("saved", 3, runs) == "| saved | 2 -> 3 | 1.2, 2.0 | 3-5 | 0-0 | 0.50, 0.25 | 1.00, 2.00 |"
+
+
+def test_a_training_step_follows_each_timed_batch_and_cannot_be_negative(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runner.build_parser().parse_args(["--step-ms", "2.5"]).step_ms == 2.5
+    with pytest.raises(SystemExit):
+        runner.build_parser().parse_args(["--step-ms", "-1"])
+    calls: list[float] = []
+
+    def step() -> int:
+        calls.append(time.monotonic())
+        return 4
+
+    monkeypatch.setenv(STEP_MS_VARIABLE, "0")
+    assert with_training_step(step) is step  # no step asked for: the loop is the bench's as before
+    monkeypatch.setenv(STEP_MS_VARIABLE, "50")
+    stepped = with_training_step(step)
+    assert stepped() == 4 and stepped() == 4
+    assert calls[1] - calls[0] >= 0.049, "the second batch came before the first one's training step was over"

@@ -212,9 +212,9 @@ def test_batch_views_have_the_dataset_dtypes_and_shapes(closing: list[object]) -
     ring = BatchRing(layout, bs=bs, depth=3)
     closing += [buf, ring]
     assert ring.slot_bytes % 64 == 0
-    # and a cache line of per-slot sequence numbers (shm/lanes.py), and one of returns and the reader's wait word
-    # (NOTE [ Returned ring slots ] in shm/ring.py)
-    assert ring.nbytes == 3 * ring.slot_bytes + 64 + 64
+    # and a cache line of per-slot sequence numbers (shm/lanes.py), and one for each way's queue of slots and its
+    # wait word (NOTE [ Slot queues ] in shm/slotqueue.py)
+    assert ring.nbytes == 3 * ring.slot_bytes + 64 + 64 + 64
     buf.write(torch.arange(16), fields, start=0)  # slot i holds row i
 
     picks = [torch.tensor([3, 9, 0, 15]), torch.tensor([1, 2, 4, 8]), torch.tensor([14, 13, 12, 11])]

@@ -35,10 +35,10 @@ def reader() -> Iterator[tuple[ChildProcess, Channel]]:
 
 
 def _returned(child: ChildProcess) -> list[int]:
-    """The ring slots the reader got back so far, as its loop takes them (NOTE [ Returned ring slots ])."""
+    """The ring slots the reader got back so far, as its loop takes them (NOTE [ Slot queues ])."""
     ks: deque[int] = deque()
     assert child.ring is not None
-    child.ring.take_returned(ks)
+    ks.extend(child.ring.returns.take())
     return list(ks)
 
 

@@ -30,6 +30,7 @@ from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm import buffer
 from gigashuffle.shm.buffer import BatchRing
+from gigashuffle.shm.slotqueue import SlotQueue
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
 from gigashuffle.trainer.pinning import CudaPlacement, Placement
 from gigashuffle.trainer.releases import ReleaseQueue, Ticket
@@ -48,7 +49,7 @@ TRACED: set[CodeType] = {
     buffer.reclaim.__code__,
     Channel.send.__code__,
     Channel.send_bytes.__code__,
-    BatchRing.give_back.__code__,
+    SlotQueue.put.__code__,
     ReleaseQueue.poll.__code__,
     ReleaseQueue._poll.__code__,
     ReleaseQueue._collect.__code__,
@@ -119,10 +120,10 @@ def _reader() -> tuple[ChildProcess, Channel]:
 
 
 def _freed(reader: ChildProcess) -> list[int]:
-    """The ring slots given back so far, as the reader's loop takes them (NOTE [ Returned ring slots ])."""
+    """The ring slots given back so far, as the reader's loop takes them (NOTE [ Slot queues ])."""
     ks: deque[int] = deque()
     assert reader.ring is not None
-    reader.ring.take_returned(ks)
+    ks.extend(reader.ring.returns.take())
     return list(ks)
 
 

@@ -20,7 +20,14 @@ from gigashuffle.tools.bench.baselines import timed_batches
 from gigashuffle.tools.bench.cpu import loader_meter
 from gigashuffle.tools.bench.loaderprobes import ImportTorchTimer, _lock_figures, child_memory, redis_command_calls
 from gigashuffle.tools.bench.otherranks import OtherRanks
-from gigashuffle.tools.bench.ranks import READY_TIMEOUT_S, WARMUP_CAP_S, mixing_threshold, rank_config, warm_up
+from gigashuffle.tools.bench.ranks import (
+    READY_TIMEOUT_S,
+    WARMUP_CAP_S,
+    mixing_threshold,
+    rank_config,
+    warm_up,
+    with_training_step,
+)
 from gigashuffle.tools.bench.report import Result
 from gigashuffle.tools.bench.stamps import ChunkStamps
 from gigashuffle.tools.bench.streams import read_stream
@@ -112,7 +119,7 @@ def measure_loader(
         timed[0] = True
         end = time.monotonic() + seconds
         others.start_window(end)
-        rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
+        rate = timed_batches(with_training_step(step), end - time.monotonic(), workload.row_bytes)
         meter.stop()
         lock_after = loader.lock_usage()
         # The INFOs of the meter and of calls_before show up in the second snapshot: take them off.

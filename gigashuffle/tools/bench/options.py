@@ -52,6 +52,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _not_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gigashuffle bench",
@@ -77,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"writer processes per rank (default {DATALOADER_WORKERS}, the DataLoader baseline's workers)",
     )
     parser.add_argument("--readers", type=_positive, default=1, help="reader processes per rank (default 1)")
+    parser.add_argument(
+        "--step-ms",
+        type=_not_negative,
+        default=0.0,
+        help="a training step of this many ms after each timed batch of every rank, as a sleep (default 0: the "
+        "trainer only takes batches, so the readers bound the run); with a step, the trainer bounds it, as a GPU "
+        "step does, and the CPU figures show what the loader costs beside a busy trainer",
+    )
     parser.add_argument(
         "--lock-stripes", type=_positive, default=1, help="DataloaderConfig.lock_stripes of every rank (default 1)"
     )

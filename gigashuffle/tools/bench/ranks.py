@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 MIN_MIXING = 0.5
 # --lock-stripes of `gigashuffle bench`, for every rank (the ranks it starts inherit it with the environment).
 LOCK_STRIPES_VARIABLE = "GIGASHUFFLE_BENCH_LOCK_STRIPES"
+# --step-ms of `gigashuffle bench`: the training step every rank's timed loop takes after each batch.
+STEP_MS_VARIABLE = "GIGASHUFFLE_BENCH_STEP_MS"
 # Give up waiting for the buffer to mix after this long and time what we get (flagged in the result).
 WARMUP_CAP_S = 30.0
 # A rank process imports torch, starts a loader and warms up; on a loaded 2-core machine that can take a while.
@@ -133,6 +135,26 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def step_ms() -> float:
+    """The training step ``--step-ms`` asks for, in ms (0: none)."""
+    return float(os.environ.get(STEP_MS_VARIABLE, "0"))
+
+
+def with_training_step(step: Callable[[], int]) -> Callable[[], int]:
+    """``step`` and then the training step of ``--step-ms``: a sleep, as a trainer waiting for its GPU step is idle,
+    so the loader's processes are what the CPU figures meter, and the run is bound by the trainer."""
+    pause_s = step_ms() / 1000
+    if pause_s <= 0:
+        return step
+
+    def stepped() -> int:
+        rows = step()
+        time.sleep(pause_s)
+        return rows
+
+    return stepped
+
+
 def run_rank(args: argparse.Namespace, channel: LineChannel) -> None:
     from gigashuffle import MultiprocessShuffledDataloader
 
@@ -150,7 +172,7 @@ def run_rank(args: argparse.Namespace, channel: LineChannel) -> None:
         loader.wait_started(READY_TIMEOUT_S)
         channel.send({"pids": {"trainer": [os.getpid()], **loader.child_pids()}, "warmup": warm.to_dict()})
         end = float(channel.receive(time.monotonic() + GO_TIMEOUT_S, "the start of the window")["end"])
-        rate = timed_batches(step, end - time.monotonic(), workload.row_bytes)
+        rate = timed_batches(with_training_step(step), end - time.monotonic(), workload.row_bytes)
         channel.send({"rate": rate.to_dict()})
         # Stay open until the bench has read this rank's memory figures and says so (or is gone).
         with contextlib.suppress(PeerGone):

@@ -245,6 +245,7 @@ def format_table(results: Sequence[Result] | Result) -> str:
         f"gigashuffle bench: {first['num_writers']} writer(s) and {first['num_readers']} reader(s) per rank, "
         f"{first.get('ranks', 1)} rank(s) on one node, "
         f"min_mixing {first['min_mixing']}, {first['seconds']:g} s per measurement, "
+        f"training step {first.get('step_ms', 0):g} ms, "
         f"torch threads {first['torch_threads']}, DataLoader {DATALOADER_WORKERS} workers"
     )
     sections = [header, _throughput_table(results), *_loader_tables(results)]

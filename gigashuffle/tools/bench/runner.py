@@ -27,7 +27,7 @@ from gigashuffle.tools.bench.cpu import own_meter
 from gigashuffle.tools.bench.loaderprobes import ImportTorchTimer, child_memory, redis_command_calls
 from gigashuffle.tools.bench.measureloader import _STREAM, FILL_EVERY_BATCHES, measure_loader
 from gigashuffle.tools.bench.options import DATALOADER_WORKERS, build_parser
-from gigashuffle.tools.bench.ranks import LOCK_STRIPES_VARIABLE, MIN_MIXING
+from gigashuffle.tools.bench.ranks import LOCK_STRIPES_VARIABLE, MIN_MIXING, STEP_MS_VARIABLE, step_ms
 from gigashuffle.tools.bench.report import Result, format_table, ratio
 from gigashuffle.tools.bench.shapedfloor import Shape, shaped_floor
 from gigashuffle.tools.bench.stamps import ChunkStamps
@@ -66,6 +66,7 @@ def run_workload(
         "num_readers": readers,
         "ranks": ranks,
         "min_mixing": MIN_MIXING,
+        "step_ms": step_ms(),
     }
     stages = [name for name, on in (("copy floor and DataLoader", baselines), ("loader", loader)) if on]
     log.info("%s: measuring the %s, %g s each (progress on stderr, tables at the end)", name, " then ".join(stages),
@@ -147,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stateful.mode = args.checkpoint_rows
     os.environ[LOCK_STRIPES_VARIABLE] = str(args.lock_stripes)
+    os.environ[STEP_MS_VARIABLE] = str(args.step_ms)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     names = list(WORKLOADS) if not args.workload or "all" in args.workload else list(dict.fromkeys(args.workload))
     results = [

@@ -1,8 +1,9 @@
-"""Dropped batches on their way back to their readers, through the ring (NOTE [ A ring slot's walk ] in
-trainer/inbox.py, NOTE [ Returned ring slots ] in shm/ring.py), without a loader.
+"""Ring slots on their way between a reader and the trainer, through the ring (NOTE [ A ring slot's walk ] in
+trainer/inbox.py, NOTE [ Slot queues ] in shm/slotqueue.py), without a loader.
 
 The children are real ``ChildProcess`` records with real rings and channels; the reader's side is the ring read as
-its loop reads it (``take_returned``, ``_take_frees``), in a second process where the ring's sharing matters.
+its loop reads it (``returns.take``, ``_take_frees``, ``_wait_for_slot``), in a second process where the ring's
+sharing matters.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 import torch
 
 from gigashuffle.procs.channel import Channel
-from gigashuffle.procs.messages import FreeSlot, Resume
+from gigashuffle.procs.messages import FreeSlot, Paused, Resume
 from gigashuffle.procs.readerio import _take_frees, _wait_for_slot
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.shm.memfd import SharedMemory
+from gigashuffle.trainer.childmessages import drain
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
 from gigashuffle.trainer.pinning import Placement
 
@@ -40,9 +42,7 @@ def _reader(index: int, depth: int) -> tuple[ChildProcess, Channel]:
 
 
 def _taken(ring: BatchRing) -> list[int]:
-    free: deque[int] = deque()
-    ring.take_returned(free)
-    return list(free)
+    return ring.returns.take()
 
 
 def _drop(dropped: DroppedBatches, child: ChildProcess, *ks: int) -> None:
@@ -72,7 +72,7 @@ def test_slots_come_back_in_the_order_given_through_every_wrap_of_the_ring() -> 
         elif with_trainer:
             for k in rng.sample(with_trainer, rng.randint(1, len(with_trainer))):
                 with_trainer.remove(k)
-                assert not ring.give_back(k), "the doorbell asked for by a reader that does not wait"
+                assert not ring.returns.put((k,)), "the doorbell asked for by a reader that does not wait"
                 on_the_way.append(k)
         if rng.random() < 0.6:  # the reader looks now, or after more returns
             assert _taken(ring) == on_the_way, "a return taken twice, out of order or not at all"
@@ -88,7 +88,7 @@ def _reader_process(fd: int, nbytes: int, depth: int, expected: int, out: Any) -
     seen: list[int] = []
     deadline = time.monotonic() + 60
     while len(seen) < expected and time.monotonic() < deadline:
-        ring.take_returned(free)
+        free.extend(ring.returns.take())
         while free:
             k = free.popleft()
             seen.append(k)
@@ -113,7 +113,7 @@ def test_a_reader_in_another_process_takes_every_return_once_in_order() -> None:
     while len(given) < rounds and time.monotonic() < deadline:
         if ring.seq[k] == 1:  # the reader has gathered into it again (or it never left): give it back
             ring.seq[k] = 0
-            ring.give_back(k)
+            ring.returns.put((k,))
             given.append(k)
         k = (k + 1) % depth
     assert ours.poll(60), "the reader process did not finish"
@@ -140,7 +140,7 @@ def test_the_doorbell_rings_only_for_a_reader_that_waits() -> None:
     inbox = Inbox(Placement(), [child])
     inbox.free(child, 1)
     assert _doorbells(theirs) == 0 and _taken(ring) == [1]
-    ring.reader_waits[0] = 1
+    ring.returns.waits[0] = 1
     inbox.free(child, 3)
     inbox.free(child, 0)
     assert _doorbells(theirs) == 2 and _taken(ring) == [3, 0]
@@ -159,13 +159,13 @@ def test_a_reader_waiting_for_a_slot_asks_for_the_doorbell_and_wakes_on_it() -> 
     waiter = threading.Thread(target=lambda: others.extend(_wait_for_slot(env, ring, free, 30.0)))  # type: ignore[arg-type]
     waiter.start()
     deadline = time.monotonic() + 30
-    while not ring.reader_waits[0] and time.monotonic() < deadline:
+    while not ring.returns.waits[0] and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert ring.reader_waits[0] == 1, "a reader about to wait for a slot did not say so"
+    assert ring.returns.waits[0] == 1, "a reader about to wait for a slot did not say so"
     Inbox(Placement(), [child]).free(child, 2)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
-    assert list(free) == [2] and others == [] and ring.reader_waits[0] == 0
+    assert list(free) == [2] and others == [] and ring.returns.waits[0] == 0
 
 
 def test_a_waiting_reader_returns_other_messages_and_stops_waiting_for_slots() -> None:
@@ -176,7 +176,7 @@ def test_a_waiting_reader_returns_other_messages_and_stops_waiting_for_slots() -
     child.channel.send(Resume())
     free: deque[int] = deque()
     assert _wait_for_slot(env, ring, free, 30.0) == [Resume()]  # type: ignore[arg-type]
-    assert list(free) == [] and ring.reader_waits[0] == 0
+    assert list(free) == [] and ring.returns.waits[0] == 0
 
 
 def test_drops_from_other_threads_are_all_seen() -> None:
@@ -210,8 +210,8 @@ def test_a_reader_with_free_slots_still_waits_for_its_messages() -> None:
     started = time.monotonic()
     assert _take_frees(env, ring, free, 0.3) == []  # type: ignore[arg-type]
     assert time.monotonic() - started >= 0.29, "returned at once with nothing to say"
-    assert list(free) == [1] and ring.reader_waits[0] == 0
-    ring.give_back(3)  # a slot given back meanwhile: taken, and still no early return
+    assert list(free) == [1] and ring.returns.waits[0] == 0
+    ring.returns.put((3,))  # a slot given back meanwhile: taken, and still no early return
     started = time.monotonic()
     assert _take_frees(env, ring, free, 0.3) == []  # type: ignore[arg-type]
     assert time.monotonic() - started >= 0.29, "a slot given back ended a wait for messages"
@@ -225,8 +225,51 @@ def test_a_reader_with_no_free_slot_does_not_wait_once_one_came_back() -> None:
     assert ring is not None
     env = SimpleNamespace(channel=theirs)
     free: deque[int] = deque()
-    ring.give_back(2)
+    ring.returns.put((2,))
     started = time.monotonic()
     assert _wait_for_slot(env, ring, free, 30.0) == []  # type: ignore[arg-type]
     assert time.monotonic() - started < 20, "waited for a slot it had been given"
-    assert list(free) == [2] and ring.reader_waits[0] == 0
+    assert list(free) == [2] and ring.returns.waits[0] == 0
+
+
+# -- the other way: batches announced to the trainer ------------------------------------------------------------
+
+
+def test_a_message_is_applied_after_the_batches_announced_before_it() -> None:
+    """A reader announces through its ring and then sends ``Paused`` (or ``PassEnd``): by the time the trainer
+    applies the message, those batches are ready (a cut lists them; a pass does not end before them)."""
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    inbox = Inbox(Placement(), [child])
+    ring.seq[[2, 0]] = [7, 8]  # their lane numbers (NOTE [ Lanes ])
+    assert not ring.announcements.put([2, 0]), "a doorbell asked for by a trainer that does not wait"
+    theirs.send(Paused(1))
+    seen: list[tuple[object, list[int]]] = []
+    drain(child, inbox, lambda c, message, fds: seen.append((message, [k for _c, k in inbox.waiting()])))
+    assert seen == [(Paused(1), [2, 0])]
+    assert ring.seq[2] == 0 and ring.seq[0] == 0, "the trainer has them: they carry no lane number any more"
+    drain(child, inbox, lambda c, message, fds: seen.append((message, [])))
+    assert inbox.ready == 2 and len(seen) == 1, "an announcement taken twice, or a message applied twice"
+
+
+def test_collect_takes_every_readers_announcements_in_order() -> None:
+    (first, _a), (second, _b) = _reader(0, depth=4), _reader(1, depth=4)
+    assert first.ring is not None and second.ring is not None
+    inbox = Inbox(Placement(), [first, second])
+    first.ring.announcements.put([3, 1])
+    second.ring.announcements.put([0])
+    first.ring.announcements.put([2])
+    assert inbox.collect() == 4 and inbox.collect() == 0
+    assert [(c.index, k) for c, k in inbox.waiting()] == [(0, 3), (0, 1), (0, 2), (1, 0)]
+
+
+def test_a_reader_rings_the_batch_doorbell_only_while_the_trainer_waits() -> None:
+    (first, _a), (second, _b) = _reader(0, depth=4), _reader(1, depth=4)
+    assert first.ring is not None and second.ring is not None
+    writer = ChildProcess("writer", 0, seq=2, channel=first.channel)  # no ring: nothing to ask
+    inbox = Inbox(Placement(), [first, writer, second])
+    assert inbox.wait_for_announcements(True) == 2
+    assert first.ring.announcements.put([0]) and second.ring.announcements.put([1])
+    assert inbox.wait_for_announcements(False) == 2
+    assert not first.ring.announcements.put([2]) and not second.ring.announcements.put([3])
