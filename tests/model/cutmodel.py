@@ -45,10 +45,15 @@ procs/positions.py. Checked against the real code op by op: the slot table of te
 * ``draw_full`` and ``acquire_empty`` take the lowest ids (the real ones: random, and a per-process cursor);
 * the first mix's timeout (firstmix.py:376-390, 10 s) fires only when nothing else can move;
 * a reader draws one batch per hold (``shuffle_size // (8 * bs)`` is 0 -> 1 for these buffers, reader.py:141);
-* a batch handed to the caller is freed at once, as a message in the reader's channel order (the real one when the
-  caller drops it, through the ring, NOTE [ Returned ring slots ]: seen by the reader at once or at its next look,
-  possibly ahead of a cut message sent before it; a free ring slot only lets a reader draw, which it never does
-  between a ``Pause`` and its ``Resume``, so the cut's rows are the same in either order);
+* ring slots travel as messages in the channels' order, both ways (the real ones through the ring, NOTE [ Slot
+  queues ] in shm/slotqueue.py). A batch handed to the caller is freed at once (the real one when the caller drops
+  it), seen by the reader at once or at its next look, possibly ahead of a cut message sent before it: a free ring
+  slot only lets a reader draw, which it never does between a ``Pause`` and its ``Resume``. A ``BatchReady`` is
+  seen by the trainer no later than the next message on that channel (the real trainer takes a reader's
+  announcements before each message it reads from it), possibly earlier: the only messages a reader sends before
+  an announcement that the trainer acts on are a ``Paused``, after which the reader announces nothing until the
+  trainer's ``Resume`` (sent after the cut's listing), and a ``PassEnd``, after which it announces nothing until the
+  next ``StartPass``. So the cut's rows are the same in either order;
 * one round of ``_writer_states`` (send the requests, pump, take the answers; cut.py:178-194) is one step: a reply
   is read by the next round's pump;
 * the supervisor's pump (supervisor.py:174-185) is one step: it reads every message waiting on every channel,
