@@ -1,22 +1,21 @@
 """The reader loop: gather random full slots into the ring, tell the trainer which ring slot is ready.
 
 NOTE [ Reader cycle ]
-The trainer maps the reader's ring (its fd crosses once, at start); then only ``BatchReady`` (the ring slots of one
-draw's batches, in one message) crosses the channel, the slots come back through the ring (a ``FreeSlot`` doorbell
-only for a reader that waits for one: NOTE [ Returned ring slots ] in shm/ring.py), and nothing goes to Redis. Per
-hold of the node lock the reader draws the slots of as many batches as it has free ring slots, up to
-``shuffle_size // (8 * bs)`` (a transition holds the lock for tens of microseconds however small it is, so fewer and
-larger ones leave the lock free more often, and a reader never holds more than an eighth of the buffer).
-``draw_full`` takes them uniformly at random among the full slots (``reading`` under this pid, once at least
-``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the free ring slots, ``bs`` rows
-each, without any lock held; ``release_read`` returns the slots (to empty, or to full when evict_on_read=False), and
-only then are the batches announced. With free ring slots left, that release and the next draw share one hold of the
-lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which ``repair()`` returns to
-full (never delivered); killed between release and announcement, its batches are delivered by the trainer from its ring,
-once: the release moves the reader's lane in the same journaled op (NOTE [ Lanes ] in shm/lanes.py; before lanes those
-batches were lost). The reader draws only for free ring slots, so a reader blocked on a slow trainer holds no slots and
-cannot starve the rest of the node. Up to the ring's depth of batches are in flight (NOTE [ Ring depth ] in
-shm/ring.py).
+The trainer maps the reader's ring (its fd crosses once, at start); then the ring slots of each draw's batches go to the
+trainer, and come back, through the ring itself (a ``BatchReady`` or ``FreeSlot`` doorbell only for a side that waits:
+NOTE [ Slot queues ] in shm/slotqueue.py), and nothing goes to Redis. Per hold of the node lock the reader draws the
+slots of as many batches as it has free ring slots, up to ``shuffle_size // (8 * bs)`` (a transition holds the lock for
+tens of microseconds however small it is, so fewer and larger ones leave the lock free more often, and a reader never
+holds more than an eighth of the buffer). ``draw_full`` takes them uniformly at random among the full slots (``reading``
+under this pid, once at least ``min_full_slots`` are full); the rows, their slot ids and versions are gathered into the
+free ring slots, ``bs`` rows each, without any lock held; ``release_read`` returns the slots (to empty, or to full when
+evict_on_read=False), and only then are the batches announced. With free ring slots left, that release and the next draw
+share one hold of the lock (``release_and_draw``). A reader killed before the release leaves ``reading`` slots, which
+``repair()`` returns to full (never delivered); killed between release and announcement, its batches are delivered by
+the trainer from its ring, once: the release moves the reader's lane in the same journaled op (NOTE [ Lanes ] in
+shm/lanes.py; before lanes those batches were lost). The reader draws only for free ring slots, so a reader blocked on a
+slow trainer holds no slots and cannot starve the rest of the node. Up to the ring's depth of batches are in flight
+(NOTE [ Ring depth ] in shm/ring.py).
 
 Up to four batches per draw: the lock, the trainer's wake-up and the announcement are paid once per draw, not
 per batch (today's figures and the measurement that chose four: docs/benchmarks.md).
