@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.messages import SLOT_DOORBELL, StartPass
@@ -92,20 +92,31 @@ class Inbox:
             self.announced(child, ks)
         return len(ks)
 
-    def wait_for_announcements(self, waiting: bool) -> int:
-        """Ask every reader with a ring for a doorbell when it announces (``waiting``), or stop asking (NOTE [ Slot
-        queues ]); how many were asked."""
-        flag, asked = int(waiting), 0
+    def expect_announcements(self) -> tuple[int, int]:
+        """Before the trainer blocks: ask every reader with a ring for a doorbell when it announces, then take what
+        it announced before it saw the request (NOTE [ Slot queues ]); (readers asked, batches taken). The caller is
+        inside a ``critical()`` section."""
+        asked = taken = 0
+        for child in self._children:
+            ring = child.ring
+            if ring is not None:
+                ring.announcements.waits[0] = 1
+                asked += 1
+                taken += self.take_announced(child)
+        return asked, taken
+
+    def stop_expecting(self) -> None:
+        """The trainer is awake: no reader needs to ring for its announcements."""
         for child in self._children:
             if child.ring is not None:
-                child.ring.announcements.waits[0] = flag
-                asked += 1
-        return asked
+                child.ring.announcements.waits[0] = 0
 
-    def announced(self, child: ChildProcess, ks: Iterable[int]) -> None:
-        ks = tuple(ks)
-        if child.ring is not None:
-            child.ring.seq[list(ks)] = 0  # the trainer has them now (NOTE [ Lanes ] in shm/lanes.py)
+    def announced(self, child: ChildProcess, ks: list[int]) -> None:
+        ring = child.ring
+        if ring is not None:
+            seq = ring.seq
+            for k in ks:
+                seq[k] = 0  # the trainer has them now (NOTE [ Lanes ] in shm/lanes.py)
         self._ready.extend((child, k) for k in ks)
 
     def recover(self, child: ChildProcess, released: int) -> int:
@@ -116,7 +127,7 @@ class Inbox:
             return 0
         seq = ring.seq
         found = sorted((int(seq[k]), k) for k in range(ring.depth) if 0 < seq[k] <= released)
-        self.announced(child, (k for _n, k in found))
+        self.announced(child, [k for _n, k in found])
         return len(found)
 
     def pass_ended(self, number: int) -> None:

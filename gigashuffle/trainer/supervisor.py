@@ -156,16 +156,17 @@ class Supervisor:
         live = [c for c in self.children if c.alive]
         # Ask the readers for a doorbell, then look at their rings again: a batch announced before a reader saw the
         # request rang nothing, and a missed doorbell costs at most RECHECK_S (NOTE [ Slot queues ]).
-        if inbox.wait_for_announcements(True):
-            timeout = min(timeout, RECHECK_S)
         try:
             with critical():
-                if inbox.collect():
-                    timeout = 0
+                asked, taken = inbox.expect_announcements()
+            if taken:
+                timeout = 0
+            elif asked:
+                timeout = min(timeout, RECHECK_S)
             channels = [self.zygote.channel, *(c.channel for c in live)]
             readable, _, _ = select.select(channels, [], [], timeout)
         finally:
-            inbox.wait_for_announcements(False)
+            inbox.stop_expecting()
         for child in live:
             if child.channel in readable:
                 self._drain(child)

@@ -269,7 +269,9 @@ def test_a_reader_rings_the_batch_doorbell_only_while_the_trainer_waits() -> Non
     assert first.ring is not None and second.ring is not None
     writer = ChildProcess("writer", 0, seq=2, channel=first.channel)  # no ring: nothing to ask
     inbox = Inbox(Placement(), [first, writer, second])
-    assert inbox.wait_for_announcements(True) == 2
+    first.ring.announcements.put([3])  # before the trainer asked: no doorbell, taken when it asks
+    assert inbox.expect_announcements() == (2, 1)
     assert first.ring.announcements.put([0]) and second.ring.announcements.put([1])
-    assert inbox.wait_for_announcements(False) == 2
+    inbox.stop_expecting()
     assert not first.ring.announcements.put([2]) and not second.ring.announcements.put([3])
+    assert [k for _c, k in inbox.waiting()] == [3]
