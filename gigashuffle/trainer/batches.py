@@ -112,7 +112,7 @@ class Batches:
         with critical():
             self._placement.poll()
             inbox.give_back_dropped()
-            if inbox.ready or inbox.collect():
+            if inbox.ready:
                 self._filled()
                 return self.deliver(*inbox.pop())
         self._wait_for_batch()

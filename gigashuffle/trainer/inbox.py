@@ -3,8 +3,10 @@
 NOTE [ A ring slot's walk ]
 A batch walks from a reader to the trainer and back through the reader, this inbox and the reader's ring only:
   1. the reader gathers rows into ring slot ``k`` and announces it through the ring (NOTE [ Slot queues ] in
-     shm/slotqueue.py); the trainer takes it (``Inbox.collect``, every ``next()`` and pump, and before each message
-     it reads from that reader): the slot is *ready*;
+     shm/slotqueue.py); the trainer's pump takes it (before it blocks, and before each message it reads from that
+     reader): the slot is *ready*. Only the pump takes announcements, never ``next()`` with batches in hand, so the
+     trainer pumps (sees deaths, failures, a lost session) at least once per batch-list it empties, as it did when
+     each announcement was a message;
   2. the loader ``pop()``s it and ``hand_over()`` makes the batch: views of the ring (the slot is *held* until the
      caller drops the last of them), a device copy (held until the copy is done: NOTE [ GPU placement ] in
      pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
@@ -77,11 +79,6 @@ class Inbox:
         self._dead = 0  # children that exited and are still listed (see _forget_dead)
 
     # -- what the readers announced -------------------------------------------------------------------------
-    def collect(self) -> int:
-        """Take every reader's new announcements (NOTE [ Slot queues ] in shm/slotqueue.py); how many batches. The
-        caller is inside a ``critical()`` section: a slot taken from a ring and not yet ready is in no list."""
-        return sum(self.take_announced(child) for child in self._children if child.ring is not None)
-
     def take_announced(self, child: ChildProcess) -> int:
         """Take ``child``'s new announcements; how many batches (the caller is inside a ``critical()`` section)."""
         ring = child.ring

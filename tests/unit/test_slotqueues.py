@@ -253,14 +253,15 @@ def test_a_message_is_applied_after_the_batches_announced_before_it() -> None:
     assert inbox.ready == 2 and len(seen) == 1, "an announcement taken twice, or a message applied twice"
 
 
-def test_collect_takes_every_readers_announcements_in_order() -> None:
+def test_the_pump_takes_every_readers_announcements_in_order() -> None:
     (first, _a), (second, _b) = _reader(0, depth=4), _reader(1, depth=4)
     assert first.ring is not None and second.ring is not None
     inbox = Inbox(Placement(), [first, second])
     first.ring.announcements.put([3, 1])
     second.ring.announcements.put([0])
     first.ring.announcements.put([2])
-    assert inbox.collect() == 4 and inbox.collect() == 0
+    assert inbox.expect_announcements() == (2, 4) and inbox.expect_announcements() == (2, 0)
+    inbox.stop_expecting()
     assert [(c.index, k) for c, k in inbox.waiting()] == [(0, 3), (0, 1), (0, 2), (1, 0)]
 
 
