@@ -14,8 +14,9 @@ and its receive were among the largest items of the trainer's and the reader's C
 - Only a consumer about to block needs a wake-up. It stores 1 in the queue's ``waits`` word, takes again, and only
   then waits on its channel; the producer, after its stores, sends a doorbell message if it reads 1 there. Each side
   stores and then loads the other's word, and a CPU may order that load first (x86 and Arm both may), so both can
-  miss each other: a consumer therefore never waits longer than ``RECHECK_S`` before it takes again. A missed
-  doorbell costs that much, once; never a hang.
+  miss each other. A reader waiting for a slot therefore takes again every ``RECHECK_S``; the trainer's pump waits
+  ``RECHECK_S`` at first and twice as long after each pump that found nothing, up to its own 250 ms (a trainer left
+  waiting wakes 4 times a second, not 100). A missed doorbell costs one such wait, once; never a hang.
 - What the consumer takes must be as visible as the messages that follow it: the trainer takes a reader's
   announcements before each message it reads from that reader (a ``Paused`` for a checkpoint's cut, a ``PassEnd``),
   and the reader's stores came before its send. The trainer may see an announcement earlier than the message that
@@ -32,7 +33,7 @@ import numpy as np
 _SHIFT = 20
 _SLOT = (1 << _SHIFT) - 1
 MOST_SLOTS = _SLOT + 1  # ring slots a queue can name
-RECHECK_S = 0.01  # the longest a waiting consumer goes without taking again
+RECHECK_S = 0.01  # a waiting reader takes again this often; a waiting trainer at first
 
 
 def queue_bytes(depth: int) -> int:

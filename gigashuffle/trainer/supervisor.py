@@ -79,6 +79,7 @@ class Supervisor:
         # Batches.next_batch() hold this for their whole run (see pump()).
         self.turn = threading.RLock()
         self.pumps = 0  # pumps done: a message sent before one began was read by it if it had come
+        self._quiet_pumps = 0  # pumps in a row that found nothing: each waits twice as long for a missed doorbell
         self.failure: BaseException | None = None
         self._closed = False
         # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
@@ -155,18 +156,20 @@ class Supervisor:
         inbox.flush()
         live = [c for c in self.children if c.alive]
         # Ask the readers for a doorbell, then look at their rings again: a batch announced before a reader saw the
-        # request rang nothing, and a missed doorbell costs at most RECHECK_S (NOTE [ Slot queues ]).
+        # request rang nothing. A missed doorbell costs at most the select's wait (NOTE [ Slot queues ]): RECHECK_S
+        # at first, doubling while the pumps find nothing, so that a trainer left waiting wakes rarely.
         try:
             with critical():
                 asked, taken = inbox.expect_announcements()
             if taken:
                 timeout = 0
             elif asked:
-                timeout = min(timeout, RECHECK_S)
+                timeout = min(timeout, RECHECK_S * (1 << min(self._quiet_pumps, 5)))
             channels = [self.zygote.channel, *(c.channel for c in live)]
             readable, _, _ = select.select(channels, [], [], timeout)
         finally:
             inbox.stop_expecting()
+        self._quiet_pumps = 0 if readable or taken else self._quiet_pumps + 1
         for child in live:
             if child.channel in readable:
                 self._drain(child)
