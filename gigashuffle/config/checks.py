@@ -22,7 +22,7 @@ _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9._\-/@+=]{1,200}$")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._\-/+=]{1,200}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(:[0-9]+)?$")
 SEED_LIMIT = 2**63
-MOST_RING_DEPTH = 1024  # ring slots per reader (shm/ring.py numbers returned slots in 20 bits)
+MOST_RING_DEPTH = 1024  # ring slots per reader (shm/slotqueue.py names a slot in 20 bits)
 MOST_STRIPES = 16  # the most lock_stripes a config may ask for (the table's layout allows more: shm/journal.py)
 BATCH_FORMATS = ("list", "dict")
 # How a checkpoint brings its unconsumed rows back: NOTE [ Positions checkpoint ] in checkpoint/positions.py.

@@ -32,7 +32,6 @@ import numpy as np
 
 _SHIFT = 20
 _SLOT = (1 << _SHIFT) - 1
-MOST_SLOTS = _SLOT + 1  # ring slots a queue can name
 RECHECK_S = 0.01  # a waiting reader takes again this often; a waiting trainer at first
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -36,10 +35,8 @@ def reader() -> Iterator[tuple[ChildProcess, Channel]]:
 
 def _returned(child: ChildProcess) -> list[int]:
     """The ring slots the reader got back so far, as its loop takes them (NOTE [ Slot queues ])."""
-    ks: deque[int] = deque()
     assert child.ring is not None
-    ks.extend(child.ring.returns.take())
-    return list(ks)
+    return child.ring.returns.take()
 
 
 class _CannotCopy(Placement):

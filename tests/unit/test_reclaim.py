@@ -15,7 +15,6 @@ import contextlib
 import signal
 import socket
 import sys
-from collections import deque
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any
@@ -121,10 +120,8 @@ def _reader() -> tuple[ChildProcess, Channel]:
 
 def _freed(reader: ChildProcess) -> list[int]:
     """The ring slots given back so far, as the reader's loop takes them (NOTE [ Slot queues ])."""
-    ks: deque[int] = deque()
     assert reader.ring is not None
-    ks.extend(reader.ring.returns.take())
-    return list(ks)
+    return reader.ring.returns.take()
 
 
 def _close(reader: ChildProcess, theirs: Channel) -> None:
