@@ -60,6 +60,11 @@ class SlotQueue:
         self._put = n
         return bool(self.waits[0])
 
+    def has_puts(self) -> bool:
+        """Consumer: whether a put waits to be taken (what ``take()`` would find first), without taking it."""
+        n = self._taken + 1
+        return int(self._cells[(n - 1) % self._depth]) >> _SHIFT == n
+
     def take(self) -> list[int]:
         """Consumer: the slots put since the last take, in the order they were put."""
         cells, depth = self._cells, self._depth

@@ -1,6 +1,21 @@
 """The batches a loader yields: an endless (or ``steps_per_epoch``-long) stream, or fill_once passes; the trainer's
 wait for them, and their hand-over (the ring slots themselves are the inbox's: NOTE [ A ring slot's walk ] in
-trainer/inbox.py)."""
+trainer/inbox.py).
+
+NOTE [ Batches between pumps ]
+A pump is where the trainer learns what else happened: a child's death or error, a lost Redis session, a respawned
+child's pid. It costs a ``select`` and two sections (four ``sigaction`` calls): paid per batch, that was most of
+the trainer's CPU per batch when a training step runs between batches (docs/benchmarks.md). So ``next()`` with no
+batch ready takes the readers'
+announcements from their rings itself, without a pump, as long as the last pump ended less than ``PUMP_EVERY_S``
+ago; after that it pumps, whatever the rings hold. Hence:
+  - a trainer that batches keep coming to still pumps every ``PUMP_EVERY_S`` at least: a death, a failure or a lost
+    session is seen at most that much later than with a pump per batch (a trainer fed only from the rings, with no
+    such bound, never rejoined a failed-over Redis: ``test_redis_faults``);
+  - a batch taken here was announced before any message its reader sends after it. Taking it before the pump reads
+    an earlier message (a ``Paused``, a ``PassEnd``) only makes an announcement seen earlier, never later, which is
+    all the cut and the pass rely on (NOTE [ A ring slot's walk ]); ``one_pass`` takes only through its pumps.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +50,8 @@ _SLOW_WARNING_S = 60.0
 _STALL_CHECK_S = 0.5  # how often a trainer waiting for its first batch looks for stalled writers
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
 _PENDING_PUMP_S = 0.002
+# How long after a pump next() may take batches from the rings without pumping (NOTE [ Batches between pumps ]).
+PUMP_EVERY_S = 0.01
 _profiling = torch.autograd._profiler_enabled  # type: ignore[attr-defined]  # 0.06 us: a torch profiler records
 
 
@@ -112,6 +129,8 @@ class Batches:
         with critical():
             self._placement.poll()
             inbox.give_back_dropped()
+            if not inbox.ready and time.monotonic() - sup.pumped_at < PUMP_EVERY_S:
+                inbox.take_announcements()  # NOTE [ Batches between pumps ]
             if inbox.ready:
                 self._filled()
                 return self.deliver(*inbox.pop())

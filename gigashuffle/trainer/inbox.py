@@ -4,9 +4,8 @@ NOTE [ A ring slot's walk ]
 A batch walks from a reader to the trainer and back through the reader, this inbox and the reader's ring only:
   1. the reader gathers rows into ring slot ``k`` and announces it through the ring (NOTE [ Slot queues ] in
      shm/slotqueue.py); the trainer's pump takes it (before it blocks, and before each message it reads from that
-     reader): the slot is *ready*. Only the pump takes announcements, never ``next()`` with batches in hand, so the
-     trainer pumps (sees deaths, failures, a lost session) at least once per batch-list it empties, as it did when
-     each announcement was a message;
+     reader), or ``next()`` does, between pumps (NOTE [ Batches between pumps ] in trainer/batches.py): the slot is
+     *ready*;
   2. the loader ``pop()``s it and ``hand_over()`` makes the batch: views of the ring (the slot is *held* until the
      caller drops the last of them), a device copy (held until the copy is done: NOTE [ GPU placement ] in
      pinning.py), or, when the caller keeps most of the ring, a copy, and the slot goes back at once. A hand-over
@@ -88,6 +87,11 @@ class Inbox:
         if ks:
             self.announced(child, ks)
         return len(ks)
+
+    def take_announcements(self) -> int:
+        """Take every reader's new announcements without a pump (NOTE [ Batches between pumps ] in
+        trainer/batches.py); how many batches. The caller is inside a ``critical()`` section."""
+        return sum(self.take_announced(child) for child in self._children)
 
     def expect_announcements(self) -> tuple[int, int]:
         """Before the trainer blocks: ask every reader with a ring for a doorbell when it announces, then take what

@@ -23,6 +23,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,6 +80,7 @@ class Supervisor:
         # Batches.next_batch() hold this for their whole run (see pump()).
         self.turn = threading.RLock()
         self.pumps = 0  # pumps done: a message sent before one began was read by it if it had come
+        self.pumped_at = float("-inf")  # when the last pump ended: NOTE [ Batches between pumps ] in batches.py
         self._quiet_pumps = 0  # pumps in a row that found nothing: each waits twice as long for a missed doorbell
         self.failure: BaseException | None = None
         self._closed = False
@@ -149,6 +151,7 @@ class Supervisor:
         with self.turn:
             self._pump(timeout)
             self.pumps += 1
+            self.pumped_at = time.monotonic()
 
     def _pump(self, timeout: float) -> None:
         self.raise_if_failed()

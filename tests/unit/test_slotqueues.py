@@ -276,3 +276,25 @@ def test_a_reader_rings_the_batch_doorbell_only_while_the_trainer_waits() -> Non
     inbox.stop_expecting()
     assert not first.ring.announcements.put([2]) and not second.ring.announcements.put([3])
     assert [k for _c, k in inbox.waiting()] == [3]
+
+
+def test_taking_between_pumps_takes_every_readers_announcements_and_asks_no_doorbell() -> None:
+    (first, _a), (second, _b) = _reader(0, depth=4), _reader(1, depth=4)
+    assert first.ring is not None and second.ring is not None
+    writer = ChildProcess("writer", 0, seq=2, channel=first.channel)  # no ring: nothing to take
+    inbox = Inbox(Placement(), [first, writer, second])
+    first.ring.announcements.put([3, 1])
+    second.ring.announcements.put([0])
+    assert inbox.take_announcements() == 3 and inbox.take_announcements() == 0
+    assert [(c.index, k) for c, k in inbox.waiting()] == [(0, 3), (0, 1), (1, 0)]
+    assert not first.ring.announcements.put([2]), "a trainer taking between pumps does not wait: no doorbell"
+
+
+def test_has_puts_says_whether_a_take_would_find_one_through_every_wrap() -> None:
+    child, _theirs = _reader(0, depth=3)
+    queue = child.ring.announcements if child.ring is not None else None
+    assert queue is not None and not queue.has_puts()
+    for k in range(10):
+        queue.put([k % 3])
+        assert queue.has_puts() and queue.has_puts(), "looking took it"
+        assert queue.take() == [k % 3] and not queue.has_puts()
