@@ -103,8 +103,10 @@ def drain(child: ChildProcess, inbox: Inbox, on_message: Handler) -> None:
     queues ] in shm/slotqueue.py): a cut's listing after a ``Paused``, or a pass's end after a ``PassEnd``, sees
     every batch announced before it."""
     try:
-        while True:
-            with critical():  # a message read by half leaves the stream out of frame (NOTE [ Ctrl-C ])
+        # One section for them all (a message read by half leaves the stream out of frame: NOTE [ Ctrl-C ]); one per
+        # message swapped SIGINT's handler twice more per pump, for the look that finds the channel empty.
+        with critical():
+            while True:
                 inbox.take_announced(child)
                 if not child.channel.poll(0):
                     return

@@ -156,18 +156,19 @@ class Supervisor:
     def _pump(self, timeout: float) -> None:
         self.raise_if_failed()
         inbox = self.inbox
-        inbox.flush()
-        live = [c for c in self.children if c.alive]
-        # Ask the readers for a doorbell, then look at their rings again: a batch announced before a reader saw the
-        # request rang nothing. A missed doorbell costs at most the select's wait (NOTE [ Slot queues ]): RECHECK_S
-        # at first, doubling while the pumps find nothing, so that a trainer left waiting wakes rarely.
+        # Give the dropped batches' slots back, ask the readers for a doorbell, then look at their rings again: a
+        # batch announced before a reader saw the request rang nothing. A missed doorbell costs at most the select's
+        # wait (NOTE [ Slot queues ]): RECHECK_S at first, doubling while the pumps find nothing, so that a trainer
+        # left waiting wakes rarely. One section for both (each swaps SIGINT's handler twice).
         try:
             with critical():
+                inbox.give_back_dropped()
                 asked, taken = inbox.expect_announcements()
             if taken:
                 timeout = 0
             elif asked:
                 timeout = min(timeout, RECHECK_S * (1 << min(self._quiet_pumps, 5)))
+            live = [c for c in self.children if c.alive]
             channels = [self.zygote.channel, *(c.channel for c in live)]
             readable, _, _ = select.select(channels, [], [], timeout)
         finally:
