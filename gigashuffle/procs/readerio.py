@@ -11,7 +11,7 @@ from gigashuffle.procs.childenv import ChildEnv
 from gigashuffle.procs.messages import FreeSlot, Pause, Paused, Rejoin, Resume, RingReady, ToChild
 from gigashuffle.shm.buffer import BatchRing, SlotBuffer, ring_depth_for
 from gigashuffle.shm.counters import ChildCounters
-from gigashuffle.shm.slotqueue import RECHECK_S
+from gigashuffle.shm.slotqueue import RECHECK_S, slots_per_wake
 from gigashuffle.shm.slottable import SlotIds, SlotTable, Versions
 
 _IDLE_POLL_S = 0.5
@@ -57,7 +57,8 @@ def _wait_for_slot(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: fl
     free.extend(ring.returns.take())
     if free:
         return _messages(env, 0)
-    ring.returns.waits[0] = 1  # then look again: a slot given back before the trainer saw this word rings nothing
+    # Then look again: a slot given back before the trainer saw this word rings nothing.
+    ring.returns.wake_at(slots_per_wake(ring.depth))
     try:
         deadline = time.monotonic() + block_s
         while True:
@@ -69,7 +70,7 @@ def _wait_for_slot(env: ChildEnv, ring: BatchRing, free: deque[int], block_s: fl
                 free.extend(ring.returns.take())
                 return others
     finally:
-        ring.returns.waits[0] = 0
+        ring.returns.stop_waiting()
 
 
 def _messages(env: ChildEnv, block_s: float) -> list[ToChild]:

@@ -11,8 +11,15 @@ and its receive were among the largest items of the trainer's and the reader's C
 - A cell is free to overwrite: a slot is in one place at a time, so when the producer puts its ``n``-th, every other
   slot put and not yet taken is one of at most ``depth - 1``, and the consumer takes in order: put ``n - depth`` was
   taken.
-- Only a consumer about to block needs a wake-up. It stores 1 in the queue's ``waits`` word, takes again, and only
-  then waits on its channel; the producer, after its stores, sends a doorbell message if it reads 1 there. Each side
+- Only a consumer about to block needs a wake-up. It stores in the queue's ``waits`` word the put count at which it
+  wants one (``wake_at``), takes again, and only then waits on its channel; the producer, after its stores, sends a
+  doorbell message if its count reached the number it reads there (0: nobody waits). The trainer wants every
+  announcement at once (the next put). A reader with no free slot wants ``slots_per_wake(depth)``, half its ring:
+  with a training step between batches the trainer holds the whole ring and gives one slot back per step, and a
+  doorbell per slot was a send for the trainer and a wake-up for the reader per batch. Half the ring leaves the
+  trainer half a ring of batches while the reader refills. A trainer about to block for a batch first rings every
+  reader that waits for slots, whatever it asked for (``Inbox.expect_announcements``): the slots it has are the
+  trainer's next batches. Each side
   stores and then loads the other's word, and a CPU may order that load first (x86 and Arm both may), so both can
   miss each other. A reader waiting for a slot therefore takes again every ``RECHECK_S``; the trainer's pump waits
   ``RECHECK_S`` at first and twice as long after each pump that found nothing, up to its own 250 ms (a trainer left
@@ -35,6 +42,11 @@ _SLOT = (1 << _SHIFT) - 1
 RECHECK_S = 0.01  # a waiting reader takes again this often; a waiting trainer at first
 
 
+def slots_per_wake(depth: int) -> int:
+    """How many slots given back wake a reader that has none (NOTE [ Slot queues ]): half its ring."""
+    return max(1, depth // 2)
+
+
 def queue_bytes(depth: int) -> int:
     """Bytes of one queue of a ring of ``depth`` slots: its cells and its ``waits`` word."""
     return 8 * (depth + 1)
@@ -46,7 +58,8 @@ class SlotQueue:
 
     def __init__(self, words: np.ndarray[Any, np.dtype[np.int64]], depth: int) -> None:
         self._cells = words[:depth]
-        self.waits = words[depth : depth + 1]  # 1 while the consumer waits on its channel for a put
+        # The put count at which the waiting consumer wants a doorbell; 0 while it does not wait (``wake_at``).
+        self.waits = words[depth : depth + 1]
         self._depth = depth
         self._put = 0  # producer: slots put so far
         self._taken = 0  # consumer: puts taken so far
@@ -58,7 +71,17 @@ class SlotQueue:
             n += 1
             cells[(n - 1) % depth] = (n << _SHIFT) | k
         self._put = n
-        return bool(self.waits[0])
+        wanted = int(self.waits[0])
+        return wanted != 0 and n >= wanted
+
+    def wake_at(self, more: int) -> None:
+        """Consumer, about to block: ask for a doorbell once ``more`` puts past those taken have come (then take
+        again before blocking: NOTE [ Slot queues ])."""
+        self.waits[0] = self._taken + more
+
+    def stop_waiting(self) -> None:
+        """Consumer: awake again; no put needs a doorbell."""
+        self.waits[0] = 0
 
     def has_puts(self) -> bool:
         """Consumer: whether a put waits to be taken (what ``take()`` would find first), without taking it."""

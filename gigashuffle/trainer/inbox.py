@@ -95,22 +95,25 @@ class Inbox:
 
     def expect_announcements(self) -> tuple[int, int]:
         """Before the trainer blocks: ask every reader with a ring for a doorbell when it announces, then take what
-        it announced before it saw the request (NOTE [ Slot queues ]); (readers asked, batches taken). The caller is
-        inside a ``critical()`` section."""
+        it announced before it saw the request, and wake every reader that waits for a batch of slots given back
+        with those it has (NOTE [ Slot queues ]); (readers asked, batches taken). The caller is inside a
+        ``critical()`` section."""
         asked = taken = 0
         for child in self._children:
             ring = child.ring
             if ring is not None:
-                ring.announcements.waits[0] = 1
+                ring.announcements.wake_at(1)
                 asked += 1
                 taken += self.take_announced(child)
+                if ring.returns.waits[0] and child.alive:
+                    self._ring_slot_doorbell(child)
         return asked, taken
 
     def stop_expecting(self) -> None:
         """The trainer is awake: no reader needs to ring for its announcements."""
         for child in self._children:
             if child.ring is not None:
-                child.ring.announcements.waits[0] = 0
+                child.ring.announcements.stop_waiting()
 
     def announced(self, child: ChildProcess, ks: list[int]) -> None:
         ring = child.ring
@@ -213,12 +216,14 @@ class Inbox:
         """Give ring slot ``k`` back to ``child`` now, ringing its doorbell if it waits for one (NOTE [ Slot queues ]
         in shm/slotqueue.py); a dead reader's is not given back: its ring is gone with it."""
         ring = child.ring
-        if not child.alive or ring is None or not ring.returns.put((k,)):
-            return
+        if child.alive and ring is not None and ring.returns.put((k,)):
+            self._ring_slot_doorbell(child)
+
+    def _ring_slot_doorbell(self, child: ChildProcess) -> None:
         try:
             child.channel.send(SLOT_DOORBELL)
         except OSError:
-            log.debug("%s %d is gone; its doorbell for ring slot %d is not rung", child.role, child.index, k)
+            log.debug("%s %d is gone; its doorbell for ring slots given back is not rung", child.role, child.index)
 
     def _forget_dead(self) -> None:
         """Drop exited children once nothing refers to them: no batch of theirs waits or is held, and none is to

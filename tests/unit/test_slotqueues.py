@@ -27,6 +27,7 @@ from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.shm.memfd import SharedMemory
+from gigashuffle.shm.slotqueue import slots_per_wake
 from gigashuffle.trainer.childmessages import drain
 from gigashuffle.trainer.inbox import DroppedBatches, Inbox
 from gigashuffle.trainer.pinning import Placement
@@ -140,10 +141,11 @@ def test_the_doorbell_rings_only_for_a_reader_that_waits() -> None:
     inbox = Inbox(Placement(), [child])
     inbox.free(child, 1)
     assert _doorbells(theirs) == 0 and _taken(ring) == [1]
-    ring.returns.waits[0] = 1
+    ring.returns.wake_at(2)  # a reader with no free slot: wake it once two more came back
     inbox.free(child, 3)
+    assert _doorbells(theirs) == 0, "a doorbell before the slots the reader asked for came"
     inbox.free(child, 0)
-    assert _doorbells(theirs) == 2 and _taken(ring) == [3, 0]
+    assert _doorbells(theirs) == 1 and _taken(ring) == [3, 0]
     child.exitcode = -9  # killed
     inbox.free(child, 2)
     assert _doorbells(theirs) == 0 and _taken(ring) == [], "a dead reader's slot went back"
@@ -161,11 +163,14 @@ def test_a_reader_waiting_for_a_slot_asks_for_the_doorbell_and_wakes_on_it() -> 
     deadline = time.monotonic() + 30
     while not ring.returns.waits[0] and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert ring.returns.waits[0] == 1, "a reader about to wait for a slot did not say so"
-    Inbox(Placement(), [child]).free(child, 2)
+    assert ring.returns.waits[0] == slots_per_wake(4) == 2, "a reader about to wait did not ask for half its ring"
+    inbox = Inbox(Placement(), [child])
+    inbox.free(child, 2)
+    inbox.free(child, 3)
     waiter.join(timeout=30)
     assert not waiter.is_alive()
-    assert list(free) == [2] and others == [] and ring.returns.waits[0] == 0
+    # Woken by the doorbell with both, or by its own look after RECHECK_S with the first: the second waits in the ring.
+    assert list(free) + _taken(ring) == [2, 3] and others == [] and ring.returns.waits[0] == 0
 
 
 def test_a_waiting_reader_returns_other_messages_and_stops_waiting_for_slots() -> None:
@@ -298,3 +303,19 @@ def test_has_puts_says_whether_a_take_would_find_one_through_every_wrap() -> Non
         queue.put([k % 3])
         assert queue.has_puts() and queue.has_puts(), "looking took it"
         assert queue.take() == [k % 3] and not queue.has_puts()
+
+
+def test_a_trainer_about_to_block_wakes_a_reader_waiting_for_slots_with_fewer_than_it_asked_for() -> None:
+    child, theirs = _reader(0, depth=4)
+    ring = child.ring
+    assert ring is not None
+    inbox = Inbox(Placement(), [child])
+    ring.returns.wake_at(slots_per_wake(ring.depth))
+    inbox.free(child, 1)
+    assert _doorbells(theirs) == 0
+    inbox.expect_announcements()
+    inbox.stop_expecting()
+    assert _doorbells(theirs) == 1, "the trainer blocked with a reader asleep on a slot it gave back"
+    ring.returns.stop_waiting()
+    inbox.expect_announcements()
+    assert _doorbells(theirs) == 0, "a doorbell for a reader that does not wait"
