@@ -4,11 +4,10 @@ trainer/inbox.py).
 
 NOTE [ Batches between pumps ]
 A pump is where the trainer learns what else happened: a child's death or error, a lost Redis session, a respawned
-child's pid. It costs a ``select`` and two sections (four ``sigaction`` calls): paid per batch, that was most of
-the trainer's CPU per batch when a training step runs between batches (docs/benchmarks.md). So ``next()`` with no
-batch ready takes the readers'
-announcements from their rings itself, without a pump, as long as the last pump ended less than ``PUMP_EVERY_S``
-ago; after that it pumps, whatever the rings hold. Hence:
+child's pid. It costs a ``select`` and a ``critical()`` section or two, which a trainer with batches announced in
+the rings need not pay per batch. So ``next()`` with no batch ready takes the readers' announcements from their
+rings itself, without a pump, as long as the last pump ended less than ``PUMP_EVERY_S`` ago; after that it pumps,
+whatever the rings hold. (Measured alone, this saved nothing visible in the bench: docs/benchmarks.md.) Hence:
   - a trainer that batches keep coming to still pumps every ``PUMP_EVERY_S`` at least: a death, a failure or a lost
     session is seen at most that much later than with a pump per batch (a trainer fed only from the rings, with no
     such bound, never rejoined a failed-over Redis: ``test_redis_faults``);
