@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.procs.zygotereuse import PARKING
 from gigashuffle.tools.bench.runner import redis_command_calls
 from gigashuffle.tools.bench.workloads import FieldSpec, RepeatingChunkDataset, Workload
 
@@ -99,21 +100,28 @@ def _peak_rss_bytes(pid: int) -> int:
 
 
 class StartUp:
-    """Seconds from constructing a loader to its dummy batch: the zygote, the children, the buffer, Redis."""
+    """Seconds from constructing a loader to its dummy batch: the zygote, the children, the buffer, Redis. The
+    process's first loader starts a zygote; a later one takes the zygote the last one closed parked (NOTE [ Reused
+    zygotes ] in procs/zygotereuse.py)."""
 
     repeat = (3, 8, 60.0)
     number = 1
     warmup_time = 0.0  # a warm-up would be another start-up: each sample is already a cold one
     timeout = 600
+    params = ["first", "later"]
+    param_names = ["loader"]
 
-    def setup(self) -> None:
+    def setup(self, loader: str) -> None:
         self.loader: MultiprocessShuffledDataloader | None = None
+        PARKING.end_parked()
+        if loader == "later":
+            _start().close()
 
-    def time_startup_to_dummy_batch(self) -> None:
+    def time_startup_to_dummy_batch(self, loader: str) -> None:
         self.loader = _start()
         self.loader.get_dummy_batch()
 
-    def teardown(self) -> None:
+    def teardown(self, loader: str) -> None:
         if self.loader is not None:
             self.loader.close()
 

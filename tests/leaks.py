@@ -33,6 +33,8 @@ from typing import Any
 import psutil
 from redis_servers import managed_pids
 
+from gigashuffle.procs.zygotereuse import parked_zygote_fd, parked_zygote_pid
+
 SHM_DIR = Path("/dev/shm")
 _SEM_PREFIX = "sem."
 # Per-interpreter singletons that multiprocessing starts on first use and keeps until exit: they are not a
@@ -109,11 +111,12 @@ def _shm_entries(shm_pattern: str) -> tuple[frozenset[str], frozenset[str]]:
 
 
 def _singleton_fds() -> set[int]:
-    # The pipe to the resource tracker and the fork server's liveness pipe belong to those singletons and live
-    # as long as they do. Private attributes, hence getattr with defaults: a rename only costs precision.
+    # The pipe to the resource tracker, the fork server's liveness pipe and the parked zygote's channel belong to
+    # those singletons and live as long as they do. Private attributes, hence getattr with defaults: a rename only
+    # costs precision.
     tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
     forkserver = getattr(multiprocessing.forkserver, "_forkserver", None)
-    fds = {getattr(tracker, "_fd", None), getattr(forkserver, "_forkserver_alive_fd", None)}
+    fds = {getattr(tracker, "_fd", None), getattr(forkserver, "_forkserver_alive_fd", None), parked_zygote_fd()}
     return {fd for fd in fds if isinstance(fd, int)}
 
 
@@ -122,7 +125,8 @@ def _singleton_pids() -> set[int]:
     # command line (seen in CI: the resource tracker, started by a test's first SharedMemory, counted as a leak).
     tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
     forkserver = getattr(multiprocessing.forkserver, "_forkserver", None)
-    pids = {getattr(tracker, "_pid", None), getattr(forkserver, "_forkserver_pid", None)}
+    # gigashuffle's parked zygote is one per process too (NOTE [ Reused zygotes ] in procs/zygotereuse.py).
+    pids = {getattr(tracker, "_pid", None), getattr(forkserver, "_forkserver_pid", None), parked_zygote_pid()}
     return {pid for pid in pids if isinstance(pid, int)}
 
 

@@ -190,6 +190,22 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Release:
+    """Trainer to zygote: the loader closed. Kill and reap every child, answer ``Released``, then wait for the next
+    loader's preparation (NOTE [ Reused zygotes ] in procs/zygotereuse.py)."""
+
+
+@dataclass(frozen=True)
+class Released:
+    """Zygote to trainer: every child of the loader it served is reaped; it waits for another loader."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Zygote to trainer: a reused zygote took the new loader's preparation and forks for it now."""
+
+
+@dataclass(frozen=True)
 class Spawned:
     """Zygote to trainer: request ``seq`` runs as ``pid``."""
 

@@ -10,7 +10,8 @@ copy-on-write. It never imports the trainer's main module (see NOTE [ Pickling t
 Lifetime: the zygote watches its channel to the trainer; when the trainer closes it or dies, the zygote kills
 its children and exits. Children get PR_SET_PDEATHSIG(SIGKILL) against the single-threaded zygote, so nothing
 outlives a SIGKILLed trainer by more than a poll interval. The zygote reports each child's exit status to the
-trainer, which owns all recovery decisions.
+trainer, which owns all recovery decisions. A closed loader's zygote reaps its children and may serve the trainer's
+next loader (NOTE [ Reused zygotes ] in procs/zygotereuse.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from gigashuffle.host.parentdeath import set_parent_death_signal
 from gigashuffle.procs.channel import Channel, ChannelClosed
-from gigashuffle.procs.messages import Exited, Kill, Spawn, Spawned
+from gigashuffle.procs.messages import Exited, Kill, Prepared, Release, Released, Spawn, Spawned
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,15 @@ def _fork_child(trainer: Channel, payload: bytes, title: str, control_fd: int) -
         os._exit(code)
 
 
-def serve(trainer: Channel) -> None:
+def serve(trainer: Channel) -> bool:
+    """Fork and reap one loader's children until it closes: True when it released us (every child reaped, and
+    ``Released`` sent), False when the trainer closed the channel or died."""
     # Unreaped children: pid -> spawn request number. An entry goes when its child is reaped, so a week of
     # restarts leaves nothing behind, and a kill by request number can never reach a reused pid.
     children: dict[int, int] = {}
+    released = False
     try:
-        while True:
+        while not released:
             _reap(trainer, children)
             if not trainer.poll(_POLL_S):
                 continue
@@ -81,28 +85,40 @@ def serve(trainer: Channel) -> None:
                     if seq == message.seq:
                         os.kill(pid, signal.SIGKILL)
                         break
+            elif isinstance(message, Release):
+                released = True
     except (ChannelClosed, ConnectionError):
         pass  # the trainer closed us or died: take the children down with us
     finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-        for pid in children:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                continue
-        # A SIGKILLed trainer cannot remove its children's attach sockets; the children are gone now, so do it.
-        from gigashuffle.errors import GigashuffleError
-        from gigashuffle.host.rundir import attach_socket_path, remove_socket
-
+        _stop_children(children)
+    if released:
         try:
-            for pid in children:
-                remove_socket(attach_socket_path(pid))
-        except (OSError, GigashuffleError) as exc:
-            log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
+            trainer.send(Released())  # only now: the trainer vouches for its children's deaths on it
+        except (ChannelClosed, OSError):
+            return False
+    return released
+
+
+def _stop_children(children: dict[int, int]) -> None:
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    for pid in children:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            continue
+    # A SIGKILLed trainer cannot remove its children's attach sockets; the children are gone now, so do it.
+    from gigashuffle.errors import GigashuffleError
+    from gigashuffle.host.rundir import attach_socket_path, remove_socket
+
+    try:
+        for pid in children:
+            remove_socket(attach_socket_path(pid))
+    except (OSError, GigashuffleError) as exc:
+        log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
 
 
 def _remove_dead_trainer_sockets(trainer_pid: int) -> None:
@@ -123,24 +139,25 @@ def _remove_dead_trainer_sockets(trainer_pid: int) -> None:
             probe.close()
 
 
-def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
-    trainer_pid = os.getppid()
-    trainer = Channel(socket.socket(fileno=int(argv[0])))
-    preparation: dict[str, Any]
-    try:
-        preparation, _ = trainer.recv()
-    except (ChannelClosed, OSError):
-        return 0  # the loader was closed before it told us anything
-    title = preparation.pop("gigashuffle_title", "gigashuffle zygote")
+def _set_title(title: str) -> None:
     try:
         import setproctitle
 
         setproctitle.setproctitle(title)
     except ImportError:
         log.debug("setproctitle is not installed; process titles stay unchanged")
+
+
+def _prepare(preparation: dict[str, Any]) -> bool:
+    """Take a loader's preparation; True when the trainer waits for ``Prepared`` (a reused zygote)."""
+    _set_title(preparation.pop("gigashuffle_title", "gigashuffle zygote"))
+    env = preparation.pop("gigashuffle_env", None)
+    if env is not None:  # the loader's environment, for its children (NOTE [ Reused zygotes ])
+        os.environ.clear()
+        os.environ.update(env)
+    answer = bool(preparation.pop("gigashuffle_answer", False))
     # The trainer's sys.path and working directory, so that its modules import here by name; its main module
-    # was left out of the preparation on purpose. Then import torch once for every child.
+    # was left out of the preparation on purpose. Then import torch once for every child (a no-op when reused).
     multiprocessing.spawn.prepare(preparation)
     import torch  # noqa: F401
 
@@ -148,7 +165,24 @@ def main(argv: list[str]) -> int:
     # (childmain), and what unpickles the dataset (pickling).
     from gigashuffle.procs import childmain, pickling  # noqa: F401
 
-    serve(trainer)
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
+    trainer_pid = os.getppid()
+    trainer = Channel(socket.socket(fileno=int(argv[0])))
+    while True:
+        preparation: dict[str, Any]
+        try:
+            preparation, _ = trainer.recv()  # parked: until the trainer's next loader, or its exit
+        except (ChannelClosed, OSError):
+            break  # the loader was closed before it told us anything, or the trainer is gone
+        if _prepare(preparation):
+            trainer.send(Prepared())
+        if not serve(trainer):
+            break
+        _set_title(f"gigashuffle zygote (idle, trainer {trainer_pid})")
     _remove_dead_trainer_sockets(trainer_pid)
     return 0
 

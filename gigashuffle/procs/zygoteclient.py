@@ -8,11 +8,13 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from gigashuffle.errors import GigashuffleError
+from gigashuffle.procs import zygotereuse
 from gigashuffle.procs.channel import Channel, ChannelClosed
-from gigashuffle.procs.messages import Kill, Role, Spawn, ZygoteEvent
+from gigashuffle.procs.messages import Kill, Release, Released, Role, Spawn, ZygoteEvent
 from gigashuffle.shm.buffer import BatchRing
 from gigashuffle.shm.counters import ChildCounters
 
@@ -69,28 +71,18 @@ def _streaming_copies(env: dict[str, str]) -> dict[str, str]:
 
 
 class Zygote:
-    """Starts the zygote process and asks it for children (see NOTE [ Why a zygote ] in ``procs/zygote.py``).
+    """Starts the zygote process, or takes the one a closed loader of this process parked, and asks it for children
+    (NOTE [ Why a zygote ] in ``procs/zygote.py``, NOTE [ Reused zygotes ] in ``procs/zygotereuse.py``).
 
-    Nothing here waits for the zygote: spawn requests queue up in the channel while it imports torch, and its
+    Nothing here waits for a fresh zygote: spawn requests queue up in the channel while it imports torch, and its
     replies (``Spawned``, ``Exited``) are read by whoever polls ``events()``.
     """
 
     def __init__(self, title: str) -> None:
-        ours, theirs = Channel.pair()
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         env.update(_streaming_copies(env))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gigashuffle.procs.zygote", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        theirs.close()
-        self.channel = ours
-        self.pid = self._proc.pid
-        self._next_seq = 0
         preparation = multiprocessing.spawn.get_preparation_data("gigashuffle-zygote")
         preparation.pop("authkey", None)  # multiprocessing's key is not needed and should not travel
         # The zygote takes the trainer's sys.path and working directory but never runs its main module: a script
@@ -99,7 +91,27 @@ class Zygote:
         preparation.pop("init_main_from_path", None)
         preparation.pop("init_main_from_name", None)
         preparation["gigashuffle_title"] = title
-        ours.send(preparation)
+        preparation["gigashuffle_env"] = env
+        self._key = zygotereuse.start_key(sys.executable, package_root, env)
+        self._next_seq = 0
+        self._done = False
+        parked = zygotereuse.PARKING.take(self._key, preparation)
+        if parked is not None:
+            self._proc, self.channel = parked.process, parked.channel
+            self.reused = True
+        else:
+            ours, theirs = Channel.pair()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "gigashuffle.procs.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+            theirs.close()
+            self.channel = ours
+            self.reused = False
+            ours.send(preparation)
+        self.pid = self._proc.pid
 
     def spawn(self, payload: bytes, title: str) -> tuple[int, Channel]:
         """Ask for a child running ``child.child_main(payload)``; returns a request number and its channel.
@@ -135,17 +147,38 @@ class Zygote:
         return found
 
     def close(self) -> bool:
-        """Kill every child and the zygote; safe to call twice. True when the zygote exited on its own, which it
-        does only after reaping every child: then none of them runs another instruction. False when it was gone
-        already or had to be killed: its children die of PR_SET_PDEATHSIG, but some may still be running."""
-        if self._proc.returncode is not None:
+        """Kill every child and release the zygote (parked for this process's next loader, or ended); safe to call
+        twice. True when the zygote reaped every child (it answered ``Released``, or exited on its own): then none
+        of them runs another instruction. False when it was gone already or had to be killed: its children die of
+        PR_SET_PDEATHSIG, but some may still be running."""
+        if self._done or self._proc.returncode is not None:
             return False
+        self._done = True
+        deadline = time.monotonic() + _ZYGOTE_EXIT_TIMEOUT_S
+        if self._released(deadline):
+            parked = zygotereuse.ParkedZygote(self._proc, self.channel, self._key)
+            if not zygotereuse.PARKING.park(parked):
+                zygotereuse.end(parked)
+            return True
         self.channel.close()
         try:
-            self._proc.wait(_ZYGOTE_EXIT_TIMEOUT_S)
+            code = self._proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("gigashuffle zygote %d did not exit; killing it", self.pid)
             self._proc.kill()
             self._proc.wait()
             return False
-        return True
+        return code == 0  # it exits 0 only after reaping every child; killed, it reaped none
+
+    def _released(self, deadline: float) -> bool:
+        """Ask the zygote to reap every child and wait for its ``Released`` (events before it are dropped: the
+        loader is closing)."""
+        try:
+            self.channel.send(Release())
+            while self.channel.poll(max(0.0, deadline - time.monotonic())):
+                message, _ = self.channel.recv()
+                if isinstance(message, Released):
+                    return True
+        except (ChannelClosed, OSError) as exc:
+            log.debug("gigashuffle zygote %d did not release: %s", self.pid, exc)
+        return False

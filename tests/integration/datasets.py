@@ -205,6 +205,17 @@ class ContextEcho(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": ids, "ctx": torch.full((self.chunk,), value, dtype=torch.int64)}]
 
 
+class EnvEcho(IterableDataset):  # type: ignore[type-arg]
+    """Rows carry ``mark`` = the writer's ``int(os.environ["GS_TEST_MARK"])``: the environment a child started with."""
+
+    def __iter__(self) -> Iterator[Chunk]:
+        wid, _ = _worker()
+        mark = int(os.environ["GS_TEST_MARK"])
+        for n in itertools.count(0, 4):
+            ids = torch.arange(n, n + 4, dtype=torch.int64) + wid * ID_STRIDE
+            yield [{"id": ids, "mark": torch.full((4,), mark, dtype=torch.int64)}]
+
+
 class WorkerInfoEcho(IterableDataset):  # type: ignore[type-arg]
     """Rows carry the writer's ``get_worker_info()``: ``wid``, ``nw``, and whether ``info.dataset`` is self."""
 

@@ -70,6 +70,7 @@ from soak import (  # noqa: E402  (the path above)
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402  (the path above)
 from gigashuffle.errors import CheckpointError  # noqa: E402  (the path above)
 from gigashuffle.host.parentdeath import set_parent_death_signal  # noqa: E402  (the path above)
+from gigashuffle.procs.zygotereuse import parked_zygote_pid  # noqa: E402  (the path above)
 
 NODE_EVENTS = (*EVENTS, "ctrl_c_one_rank")
 _RETAKES = 4  # calls of one checkpoint on every rank before the soak gives up on it
@@ -221,9 +222,13 @@ class Rank(Faulting):
 
 
 def _left_children() -> list[psutil.Process]:
-    """This process's descendants, less a live embedded server and its keeper (shared by the machine's jobs)."""
+    """This process's descendants, less a live embedded server and its keeper (shared by the machine's jobs) and
+    the parked zygote (one per process: NOTE [ Reused zygotes ] in procs/zygotereuse.py)."""
     left = []
+    parked = parked_zygote_pid()
     for child in psutil.Process().children(recursive=True):
+        if child.pid == parked:
+            continue
         with contextlib.suppress(psutil.NoSuchProcess):
             shared = child.status() != psutil.STATUS_ZOMBIE and any(
                 "gigashuffle.control.keeper" in part or part.endswith("-server") for part in child.cmdline()[:3]

@@ -55,6 +55,7 @@ from leaks import open_fds  # noqa: E402  (tests/)
 from sigint_gate import Gate  # noqa: E402  (tests/)
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader  # noqa: E402
+from gigashuffle.procs.zygotereuse import parked_zygote_pid  # noqa: E402
 
 EVENTS = ("kill_writer", "kill_reader", "checkpoint", "ctrl_c_checkpoint", "kill_in_checkpoint")
 # Growth allowed, last sample over first. fds: the Redis client's pool opens a second connection the first time two
@@ -342,7 +343,8 @@ class Soak(Faulting):
         growth, grown = resource_growth(self.samples, self.details, "the trainer")
         failures += grown
         first = self.samples[0]
-        left = psutil.Process().children(recursive=True)
+        # Less the parked zygote: one per process, ended at its exit (NOTE [ Reused zygotes ] in procs/zygotereuse.py).
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid != parked_zygote_pid()]
         if left:
             failures.append(f"processes left after close: {[(p.pid, p.name()) for p in left]}")
         report = {
