@@ -69,6 +69,8 @@ class AttachServer:
                     return
                 raise
             with conn:
+                if self._stop.is_set():
+                    return  # close()'s own wake-up call
                 conn.settimeout(5.0)
                 if peer_uid(conn) != os.getuid():
                     log.warning("refused an attach from uid %d on %s", peer_uid(conn), self.path)
@@ -82,9 +84,22 @@ class AttachServer:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake()
         self._thread.join()
         self._sock.close()
         remove_socket(self.path)
+
+    def _wake(self) -> None:
+        """Connect once, so that the accept loop sees the stop now and not at its next poll: closing a loader waited
+        up to ``_ACCEPT_POLL_S`` here (half of a later loader's whole life in the test suite)."""
+        wake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        wake.settimeout(_ACCEPT_POLL_S)
+        try:
+            wake.connect(str(self.path))
+        except OSError as exc:  # the loop still sees the stop at its next poll
+            log.debug("could not wake the attach server at %s: %s", self.path, exc)
+        finally:
+            wake.close()
 
 
 def attach(path: str | Path, timeout_s: float = 10.0) -> tuple[dict[str, Any], list[int]]:

@@ -161,9 +161,11 @@ def _prepare(preparation: dict[str, Any]) -> bool:
     multiprocessing.spawn.prepare(preparation)
     import torch  # noqa: F401
 
-    # Imported before any fork, so every child shares these pages: the loops, the slot table and the control plane
-    # (childmain), and what unpickles the dataset (pickling).
-    from gigashuffle.procs import childmain, pickling  # noqa: F401
+    # Imported before any fork, so every child shares these pages and none imports them again: the entry point
+    # (childmain), what unpickles the dataset (pickling), and the loops with what they import (the slot table, the
+    # control plane, redis-py). A child that imported its loop itself spent about a third of a reused zygote's
+    # start-up there, each child, every loader (compiling from source where no bytecode is written).
+    from gigashuffle.procs import childmain, pickling, reader, writer  # noqa: F401
 
     return answer
 

@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from gigashuffle import AttachError
 from gigashuffle.host import rundir
 from gigashuffle.host.rundir import attach_socket_path
+from gigashuffle.procs import attach as attach_module
 from gigashuffle.procs.attach import AttachServer, attach, peer_uid
 from gigashuffle.shm.buffer import SharedMemory
 
@@ -172,6 +174,21 @@ def test_close_removes_the_socket_and_is_idempotent(server: AttachServer) -> Non
     server.close()
     with pytest.raises(AttachError, match=str(server.path)):
         attach(server.path, timeout_s=1.0)
+
+
+def test_close_does_not_wait_for_the_accept_loops_poll(
+    runtime_dir: Path, memory: SharedMemory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() wakes the accept loop: with a poll of an hour it still returns (a loader's close waited up to the
+    poll, 0.25 s, here)."""
+    monkeypatch.setattr(attach_module, "_ACCEPT_POLL_S", 3600.0)
+    assert memory.fd is not None
+    srv = AttachServer(runtime_dir / "attach-poll.sock", (memory.fd,), INFO)
+    closer = threading.Thread(target=srv.close, name="closer", daemon=True)
+    closer.start()
+    closer.join(SUBPROCESS_TIMEOUT_S)
+    assert not closer.is_alive(), "close() waited for the accept loop's poll"
+    assert not srv._thread.is_alive()
 
 
 def test_stale_socket_file_is_replaced(runtime_dir: Path, memory: SharedMemory) -> None:
