@@ -95,6 +95,7 @@ class Zygote:
         self._key = zygotereuse.start_key(sys.executable, package_root, env)
         self._next_seq = 0
         self._done = False
+        self._trainer_pid = os.getpid()  # a forked copy of this object is not the zygote's trainer
         parked = zygotereuse.PARKING.take(self._key, preparation)
         if parked is not None:
             self._proc, self.channel = parked.process, parked.channel
@@ -154,6 +155,8 @@ class Zygote:
         if self._done or self._proc.returncode is not None:
             return False
         self._done = True
+        if os.getpid() != self._trainer_pid:
+            return False  # a fork of the trainer (its copy of the loader at its exit): the zygote is not its to end
         deadline = time.monotonic() + _ZYGOTE_EXIT_TIMEOUT_S
         if self._released(deadline):
             parked = zygotereuse.ParkedZygote(self._proc, self.channel, self._key)

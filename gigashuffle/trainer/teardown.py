@@ -13,8 +13,10 @@ The teardown order, per actor, written once; each step assumes the ones before i
      queue's keys), close the client, release the embedded server (its last user shuts it down).
   A half-built loader undoes the same steps for what it opened: ``ControlLink.open`` its own, the Supervisor's
   constructor the zygote.
-* Zygote: when its channel closes (the trainer closed it or died), it SIGKILLs its children, reaps them, removes
-  their attach sockets and exits without interpreter teardown (``procs/zygote.py``).
+* Zygote: when the loader releases it (``Release``), it SIGKILLs its children, reaps them, removes their attach
+  sockets, answers ``Released`` and waits, parked, for the process's next loader (NOTE [ Reused zygotes ] in
+  procs/zygotereuse.py); when its channel closes (the trainer died, or ended a zygote it does not park), it does the
+  same and exits without interpreter teardown (``procs/zygote.py``). A fork of the trainer never releases or ends it.
 * Child: dies with the zygote (PR_SET_PDEATHSIG); a child that exits on its own closes its attach server, its
   maps and its Redis client (``ChildEnv.close``). It never repairs for itself: a dead child's slots are the next
   lock holder's to repair (NOTE [ Slot table ] in shm/slottable.py).

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
+from forked import fork_child, wait_child
 
 from gigashuffle.host.pids import pid_alive
 from gigashuffle.procs import zygoteclient, zygotereuse
@@ -95,6 +96,17 @@ def test_a_zygote_that_must_be_killed_is_not_vouched_for(monkeypatch: pytest.Mon
     assert zygote.close() is False
     assert not pid_alive(zygote.pid)
     assert parked_zygote_pid() is None
+
+
+def test_a_forked_copy_of_the_trainer_neither_releases_nor_ends_the_zygote() -> None:
+    """A fork of the trainer that closes its copy of a loader (at its exit) must leave the trainer's zygote alone:
+    a ``Release`` from it would kill the trainer's children and park the zygote under the trainer's feet."""
+    zygote = Zygote(TITLE)
+    child = fork_child(lambda: 0 if zygote.close() is False else 1)
+    status = wait_child(child)
+    assert os.waitstatus_to_exitcode(status) == 0, "close() in the fork did something"
+    assert zygote.events() == []  # no Released (nor anything else) came back
+    assert zygote.close() is True and parked_zygote_pid() == zygote.pid
 
 
 _PARKS_AND_WAITS = """
