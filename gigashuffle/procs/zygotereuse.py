@@ -16,6 +16,8 @@ the same children a fresh one would. Rules:
   - a reused zygote answers ``Prepared`` before it is used: one that died while parked is ended and a fresh one
     started, never handed to a loader;
   - a parked zygote ends when the process exits (``atexit``: closed and waited for) or dies (its channel's EOF).
+    Until then it keeps its own memory (about 150 MB unshared on this VM: its interpreter and torch); 40 loaders
+    made one after the other in one process left it at the same fds and memory as the first.
 ``Zygote.close()`` vouches for the children's deaths only after ``Released`` (or the zygote's exit), as before.
 """
 
