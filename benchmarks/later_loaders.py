@@ -13,15 +13,8 @@ import os
 import statistics
 import sys
 import time
-
-logging.disable(logging.WARNING)  # the loaders' progress lines
-sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
-
-from bench_loader import SMALL, _config  # noqa: E402  (the tree's workload)
-
-import gigashuffle  # noqa: E402  (the tree's, by PYTHONPATH)
-from gigashuffle import MultiprocessShuffledDataloader  # noqa: E402
-from gigashuffle.tools.bench.workloads import RepeatingChunkDataset  # noqa: E402
+from collections.abc import Callable
+from typing import Any
 
 
 def _machine_busy_s() -> float:
@@ -30,22 +23,34 @@ def _machine_busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / 100  # all but idle and iowait, in USER_HZ (100 on Linux)
 
 
-def one_loader() -> tuple[float, float, float]:
-    """Seconds to the first batch, seconds of close(), machine CPU seconds over the loader's life."""
+def one_loader(make: Callable[[], Any]) -> tuple[float, float, float]:
+    """Seconds from ``make()`` to the loader's first batch, seconds of its close(), machine CPU seconds over its
+    life."""
     busy, start = _machine_busy_s(), time.monotonic()
-    with MultiprocessShuffledDataloader(RepeatingChunkDataset(SMALL), _config()) as loader:
+    with make() as loader:
         next(iter(loader))
         first = time.monotonic() - start
     return first, time.monotonic() - start - first, _machine_busy_s() - busy
 
 
 def main() -> None:
-    if not gigashuffle.__file__ or not gigashuffle.__file__.startswith(os.path.abspath(sys.argv[1])):
-        raise SystemExit(
-            f"gigashuffle comes from {gigashuffle.__file__}, not {sys.argv[1]}: set PYTHONPATH to the tree"
-        )
-    first = one_loader()
-    later = [one_loader() for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 5)]
+    tree = os.path.abspath(sys.argv[1])
+    sys.path.insert(0, os.path.join(tree, "benchmarks"))
+    logging.disable(logging.WARNING)  # the loaders' progress lines
+    from bench_loader import SMALL, _config  # the tree's workload
+
+    import gigashuffle
+    from gigashuffle import MultiprocessShuffledDataloader
+    from gigashuffle.tools.bench.workloads import RepeatingChunkDataset
+
+    if not (gigashuffle.__file__ or "").startswith(tree):
+        raise SystemExit(f"gigashuffle comes from {gigashuffle.__file__}, not {tree}: set PYTHONPATH to the tree")
+
+    def make() -> Any:
+        return MultiprocessShuffledDataloader(RepeatingChunkDataset(SMALL), _config())
+
+    first = one_loader(make)
+    later = [one_loader(make) for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 5)]
     print(f"first loader {first[0]:.2f} s; later: first batch median {statistics.median(r[0] for r in later):.3f} s, "
           f"close median {statistics.median(r[1] for r in later) * 1000:.0f} ms, machine CPU median "
           f"{statistics.median(r[2] for r in later):.2f} s")  # fmt: skip
