@@ -163,15 +163,8 @@ class Zygote:
             if not zygotereuse.PARKING.park(parked):
                 zygotereuse.end(parked)
             return True
-        self.channel.close()
-        try:
-            code = self._proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("gigashuffle zygote %d did not exit; killing it", self.pid)
-            self._proc.kill()
-            self._proc.wait()
-            return False
-        return code == 0  # it exits 0 only after reaping every child; killed, it reaped none
+        code = zygotereuse.close_and_wait(self._proc, self.channel, max(0.0, deadline - time.monotonic()))
+        return code == 0  # it exits 0 only after reaping every child; killed (by us or anyone), it reaped none
 
     def _released(self, deadline: float) -> bool:
         """Ask the zygote to reap every child and wait for its ``Released`` (events before it are dropped: the

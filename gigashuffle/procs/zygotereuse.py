@@ -113,14 +113,21 @@ class _Parking:
 
 
 def end(zygote: ParkedZygote) -> None:
-    """Close a zygote that has no children (released) and wait for it; kill it if it does not exit."""
-    zygote.channel.close()
+    """End a released zygote (it has no children)."""
+    close_and_wait(zygote.process, zygote.channel, _EXIT_TIMEOUT_S)
+
+
+def close_and_wait(process: subprocess.Popen[bytes], channel: Channel, timeout_s: float) -> int | None:
+    """Close the trainer's end of a zygote's channel and wait up to ``timeout_s`` for the zygote to exit (it kills
+    and reaps its children first); killed past that. Its exit code, or None when it had to be killed."""
+    channel.close()
     try:
-        zygote.process.wait(_EXIT_TIMEOUT_S)
+        return process.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        log.warning("gigashuffle zygote %d did not exit; killing it", zygote.process.pid)
-        zygote.process.kill()
-        zygote.process.wait()
+        log.warning("gigashuffle zygote %d did not exit; killing it", process.pid)
+        process.kill()
+        process.wait()
+        return None
 
 
 PARKING = _Parking()
