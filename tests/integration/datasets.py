@@ -567,7 +567,9 @@ def wait_for(predicate: Any, what: str, deadline_s: float = DEADLINE_S, interval
 
 
 class EpochEcho(IterableDataset):  # type: ignore[type-arg]
-    """Rows carry ``epoch`` = the last ``set_epoch`` this writer's dataset took (``-1`` before any), per chunk."""
+    """Rows carry ``epoch`` = the last ``set_epoch`` this writer's dataset took (``-1`` before any), per chunk, and
+    ``pid``, the writer process's: a respawned writer's rows are told apart from its predecessor's still in the
+    buffer."""
 
     def __init__(self, chunk: int = 4) -> None:
         self.chunk = chunk
@@ -580,4 +582,10 @@ class EpochEcho(IterableDataset):  # type: ignore[type-arg]
         wid, _ = _worker()
         for n in itertools.count(0, self.chunk):
             ids = torch.arange(n, n + self.chunk, dtype=torch.int64) + wid * ID_STRIDE
-            yield [{"id": ids, "epoch": torch.full((self.chunk,), self.epoch, dtype=torch.int64)}]
+            yield [
+                {
+                    "id": ids,
+                    "epoch": torch.full((self.chunk,), self.epoch, dtype=torch.int64),
+                    "pid": torch.full((self.chunk,), os.getpid(), dtype=torch.int64),
+                }
+            ]
