@@ -21,6 +21,7 @@ from gigashuffle.control.signedmeta import same_buffer, signed_meta, unsigned_fi
 from gigashuffle.errors import GigashuffleError, QueueStateLostError
 from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.host.secret import node_secret
+from gigashuffle.procs import failpoints
 from gigashuffle.procs.attach import AttachServer
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childspec import ChildSpec, proc_name, retitle
@@ -32,6 +33,7 @@ from gigashuffle.procs.forgottenbuffer import (
     find_served_buffer,
     trainer_of_this_child,
 )
+from gigashuffle.procs.messages import BufferOffer
 from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
@@ -119,12 +121,16 @@ class ChildEnv:
         return self._publish(fields)
 
     def _publish(self, fields: dict[str, bytes]) -> bool:
-        """Serve the buffer this process holds and publish its metadata; if another publication won, drop it."""
+        """Serve the buffer this process holds, offer it to the trainer and publish its metadata; if another
+        publication won, drop it."""
         self.meta_fields = fields
         self._serve(register=False)
+        self._offer(fields["owner"])
         won = False
         try:
             won = self.store.publish_meta(signed_meta(self.secret, self.spec.generation, fields))
+            if won and failpoints.ACTIVE:
+                failpoints.reached("writer.after_publish")
         finally:
             if not won:
                 self._drop_buffer()
@@ -132,6 +138,14 @@ class ChildEnv:
             self._announce()
             self.register()
         return won
+
+    def _offer(self, owner: bytes) -> None:
+        """Send the trainer the buffer's and the table's fds before the publication (NOTE [ The trainer holds the
+        buffer ] in trainer/nodetable.py): in flight or held, they keep both alive if this process dies after its
+        publication won and before any other process attached."""
+        if self.buffer is None or self.buffer.memory.fd is None or self.table is None or self.table.fd is None:
+            raise AssertionError("offering a buffer this process does not hold")
+        self.channel.send(BufferOffer(owner), (self.buffer.memory.fd, self.table.fd))
 
     def _drop_buffer(self) -> None:
         if self.server is not None:

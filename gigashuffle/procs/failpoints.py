@@ -13,14 +13,15 @@ whose children inherit it); a call site costs one test of a module constant.
     the marker is created at the first;
   * ``interrupt[=<seconds>]:<marker path>``: like the SIGKILL, once, but a SIGINT to itself (after sleeping that
     long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there.
-Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``reader.after_release`` (a draw's slots
-released, its batches not yet announced), ``reader.before_attach`` (a reader about to attach the node's buffer),
-``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it
-asked its readers to pause), ``trainer.map_table`` (the trainer about to map its slot table, from the owner's fds or
+Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``writer.after_publish`` (a writer's
+publication of the node buffer won, before it registered, said ``Attached`` or committed a row),
+``reader.after_release`` (a draw's slots released, its batches not yet announced), ``reader.before_attach`` (a reader
+about to attach the node's buffer), ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it asked its
+readers to pause), ``trainer.map_table`` (the trainer about to map its slot table, from the fds a writer offered or
 fetched through an attach), ``cut.before_buffer_list`` (a checkpoint's cut on local rank 0, every rank of the node
 paused, before it lists the full slots of the node's buffer: NOTE [ Node cut ] in control/cutbarrier.py),
-``cut.before_buffer_copy`` (the same rank, before it copies those slots: readers resumed in the saved-rows way,
-still paused by positions).
+``cut.before_buffer_copy`` (the same rank, before it copies those slots: readers resumed in the saved-rows way, still
+paused by positions).
 """
 
 from __future__ import annotations

@@ -33,14 +33,20 @@ class BatchReady:
 
 
 @dataclass(frozen=True)
+class BufferOffer:
+    """A writer is about to publish a node buffer (one it made, or one Redis forgot): the buffer's and the slot
+    table's memfds travel with it, sent before the publication, so that the trainer has them whenever the writer
+    dies after its publication won (NOTE [ The trainer holds the buffer ] in ``trainer/nodetable.py``). ``owner``:
+    the buffer's ``owner`` metadata field, which names the buffer the published metadata is of."""
+
+    owner: bytes
+
+
+@dataclass(frozen=True)
 class Attached:
     """A writer has the node buffer and slot table mapped: from now on a lost session costs it nothing
     (NOTE [ Rejoining ] in ``trainer/rejoin.py``). A writer of a stateful dataset sends the memfd of its
-    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``). With ``buffer``, the buffer's
-    owner sends the buffer's and the slot table's memfds last, before it commits any row (NOTE [ The trainer
-    holds the buffer ] in ``trainer/nodetable.py``)."""
-
-    buffer: bool = False
+    commit counter with it (NOTE [ Respawned writers ] in ``procs/resume.py``)."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,9 @@ class Rejoin:
     generation: str
 
 
-ToTrainer = RingReady | Attached | Progress | BatchReady | Paused | PassEnd | DatasetState | ChildError
+ToTrainer = (
+    RingReady | BufferOffer | Attached | Progress | MixShare | BatchReady | Paused | PassEnd | DatasetState | ChildError
+)
 ToChild = FreeSlot | StartPass | SetContext | SetEpoch | LoadState | Go | StateRequest | Pause | Resume | Rejoin
 
 

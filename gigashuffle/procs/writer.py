@@ -78,12 +78,8 @@ def _run(spec: ChildSpec, env: ChildEnv, position: StreamPosition, track: Track)
     counters = ChildCounters()  # NOTE [ Child counters ] in shm/counters.py: its fd travels first with Attached
     if counters.memory.fd is None:
         raise AssertionError("new counters have no fd")
-    # The owner's buffer and table go to the trainer before any row is committed: NOTE [ The trainer holds the
-    # buffer ] in trainer/nodetable.py.
-    buffer_fds: tuple[int, ...] = ()
-    if env.owner and env.buffer is not None and env.buffer.memory.fd is not None and env.table.fd is not None:
-        buffer_fds = (env.buffer.memory.fd, env.table.fd)
-    env.channel.send(Attached(buffer=bool(buffer_fds)), (counters.memory.fd, *position.fds(), *buffer_fds))
+    # An owner's buffer and table went to the trainer before their publication (ChildEnv.publish_buffer).
+    env.channel.send(Attached(), (counters.memory.fd, *position.fds()))
     counters.memory.close_fd()
     if dummyrow.is_dummy_writer(spec.config, spec.index):
         env.dummy_row = (meta["layout"], dummyrow.row_bytes(layout, chunk))

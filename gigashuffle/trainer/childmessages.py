@@ -14,7 +14,7 @@ from typing import Any
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.procs.channel import ChannelClosed
 from gigashuffle.procs.interrupts import critical
-from gigashuffle.procs.messages import Attached, BatchReady, ChildError, MixShare, PassEnd, RingReady
+from gigashuffle.procs.messages import Attached, BatchReady, BufferOffer, ChildError, MixShare, PassEnd, RingReady
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import BatchRing, SharedMemory
@@ -52,10 +52,9 @@ class ChildMessages:
             map_counters(child, fds[1:])
             self._on_ring(child.ring)
             self._on_attached(child)
+        elif isinstance(message, BufferOffer):  # NOTE [ The trainer holds the buffer ] in trainer/nodetable.py
+            self._node_table.offer(message.owner, fds[0], fds[1])
         elif isinstance(message, Attached):
-            if message.buffer:  # the owner's buffer and table, last (NOTE [ The trainer holds the buffer ])
-                fds, (buffer_fd, table_fd) = fds[:-2], fds[-2:]
-                self._node_table.hold(buffer_fd, table_fd)
             map_counters(child, fds[:1])  # the counters' fd first, then a writer's commit counter
             self._emit(child, message, fds[1:])
             self._on_attached(child)

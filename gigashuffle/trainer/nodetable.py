@@ -12,8 +12,12 @@ process gets them only from one that serves them (NOTE [ Attach ] in procs/attac
 died before any other child had attached (a loaded machine starts children late; a dataset that fails on its second
 chunk), no process served them any more: every child started later waited ``redis_timeout_s`` and died with
 ``AttachError``, and the loader failed. So:
-- the owner sends the buffer's and the table's memfds with its ``Attached``, before it commits any row: fds in
-  flight keep the files alive, so the trainer gets them even when the owner dies at once;
+- a writer sends the buffer's and the table's memfds (``BufferOffer``) just before it publishes them: fds in
+  flight keep the files alive, so the trainer gets them whenever the writer dies once its publication won. (They
+  came with its ``Attached`` once, after the publication: an owner that died between the two left a published
+  buffer nobody served, and the loader failed with ``AttachError`` whatever its ``max_restarts``.) The trainer keeps
+  the offers until the published metadata names one by its ``owner`` field; the others lost the publication, and
+  their fds are closed then;
 - the trainer keeps an fd of each and serves them too, from its own attach socket in the runtime directory, not
   listed in Redis (``attach-<pid>-t<id>.sock``: several loaders may share a process); a child that no listed process
   answers finds it there (``find_served_buffer``, NOTE [ A buffer Redis forgot ]), as it would a child's;
@@ -84,45 +88,52 @@ class TableView:
         self._buffer: SlotBuffer | None = None
         self._faulted_in = False  # the buffer's and the table's pages are mapped into this process (rows_for_cut)
         self._meta_fields: dict[str, bytes] = {}  # the buffer's verified metadata, unsigned
+        # Buffers this rank's writers offered before publishing, by their ``owner`` field: (buffer fd, table fd).
+        self._offers: dict[bytes, tuple[int, int]] = {}
 
     def get(self) -> SlotTable | None:
         """The node's slot table, mapped on first use; None while no buffer is published or none is served."""
-        if self._table is None and "hmac" in self._session.store.meta():
+        if self._table is None and "hmac" in (meta := self._session.store.meta()):
             with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
                 if self._table is None:
-                    self._map()
+                    self._map(meta)
         return self._table
 
-    def hold(self, buffer_fd: int, table_fd: int) -> None:
-        """The owner's memfds, sent with its ``Attached`` (NOTE [ The trainer holds the buffer ]): the table is
-        mapped from them unless it is already; both fds are this call's to close."""
+    def offer(self, owner: bytes, buffer_fd: int, table_fd: int) -> None:
+        """A buffer and table a writer of this rank is about to publish (NOTE [ The trainer holds the buffer ]),
+        kept until the published metadata says whether they are the node's; both fds are this object's now."""
         with self._mapping, critical():  # fds received are fds owned (NOTE [ Ctrl-C ] in procs/interrupts.py)
-            try:
-                if failpoints.ACTIVE and self._table is None:
-                    failpoints.reached("trainer.map_table")
-                mapped_here = self._table is None and "hmac" in self._session.store.meta()
-            except AttachError as exc:  # a fail point's: the table stays unmapped, as an attach that failed leaves it
-                log.debug("slot table not mapped from the owner's fds: %s", exc)
-                mapped_here = False
-            except BaseException:
-                os.close(buffer_fd)
-                os.close(table_fd)
-                raise
-            if mapped_here:
-                self._map_from(buffer_fd, table_fd)
-            else:
-                os.close(buffer_fd)
-                os.close(table_fd)
+            _close_pair(self._offers.pop(owner, None))
+            self._offers[owner] = (buffer_fd, table_fd)
+            if self._table is not None:
+                self._drop_offers()
+            elif "hmac" in (meta := self._session.store.meta()):
+                self._map(meta)
 
-    def _map(self) -> None:
+    def _map(self, meta: dict[str, bytes]) -> None:
+        """Map the published buffer's table: from the offer its ``owner`` names, else through an attach. The other
+        offers lost the publication (or their writer died before it): their fds are closed."""
+        offered = self._offers.pop(meta.get("owner", b""), None)
+        self._drop_offers()
         try:
             if failpoints.ACTIVE:
                 failpoints.reached("trainer.map_table")
-            buffer_fd, table_fd = fetch_node_fds(self._session.store, self._config.queue_name, _ATTACH_TABLE_S)
+            buffer_fd, table_fd = offered or fetch_node_fds(
+                self._session.store, self._config.queue_name, _ATTACH_TABLE_S
+            )
         except AttachError as exc:
+            _close_pair(offered)
             log.debug("slot table not mapped yet: %s", exc)
             return
+        except BaseException:
+            _close_pair(offered)
+            raise
         self._map_from(buffer_fd, table_fd)
+
+    def _drop_offers(self) -> None:
+        for pair in self._offers.values():
+            _close_pair(pair)
+        self._offers.clear()
 
     def _map_from(self, buffer_fd: int, table_fd: int) -> None:
         slots, stripes = self._config.shuffle_size, self._config.lock_stripes
@@ -251,6 +262,7 @@ class TableView:
             log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
 
     def close(self) -> None:
+        self._drop_offers()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -263,3 +275,9 @@ class TableView:
         if self._table is not None:
             self._table.close()
             self._table = None
+
+
+def _close_pair(fds: tuple[int, int] | None) -> None:
+    if fds is not None:
+        os.close(fds[0])
+        os.close(fds[1])

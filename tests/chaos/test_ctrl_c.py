@@ -138,6 +138,20 @@ class _StderrLines:
         return "".join(self.lines)
 
 
+def _ready_pids(proc: subprocess.Popen[str], stderr_lines: _StderrLines) -> list[int]:
+    """The pids of the script's loader, from its ``READY`` line; a script that died before it fails the test with
+    its stderr."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the script prints it within DEADLINE_S or dies (then this returns "")
+    if not line.startswith("READY "):
+        _kill_if_running(proc)
+        proc.wait(DEADLINE_S)
+        stderr_lines.join(DEADLINE_S)
+        raise AssertionError(f"no READY line ({line!r}), exit code {proc.returncode}:\n{stderr_lines.text[-6000:]}")
+    pids: list[int] = json.loads(line.split(" ", 1)[1])
+    return pids
+
+
 def _kill_if_running(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -155,9 +169,7 @@ def test_ctrl_c_without_with_tears_down_under_more_ctrl_c() -> None:
     sent = 0
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # the script prints it within DEADLINE_S or dies (then this returns "")
-        assert line.startswith("READY "), line
-        pids = json.loads(line.split(" ", 1)[1])
+        pids = _ready_pids(proc, stderr_lines)
         proc.send_signal(signal.SIGINT)  # interrupts the loop: the traceback, then the teardown at exit
         sent += 1
         # The next ones land in the teardown (a second Ctrl-C while Python prints the first one's traceback would
@@ -194,9 +206,7 @@ def test_ctrl_c_while_the_exit_waits_for_a_thread_does_not_cut_the_teardown() ->
     assert proc.stdin is not None and proc.stdout is not None
     stderr_lines = _StderrLines(proc, lambda line: "Ctrl-C at interpreter exit: ignored" in line)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), line
-        pids = json.loads(line.split(" ", 1)[1])
+        pids = _ready_pids(proc, stderr_lines)
         assert proc.stdout.readline() == "EXITING\n", stderr_lines.text  # the exit waits in threading._shutdown
         proc.send_signal(signal.SIGINT)
         assert stderr_lines.seen.wait(DEADLINE_S), stderr_lines.text  # handled there, while the exit still waits
