@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.shm.slottable import SlotTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared handler below
 from sigint_gate import Gate
@@ -107,8 +108,7 @@ def _after_storm(loader: MultiprocessShuffledDataloader, deadline_s: float) -> d
         ready = collections.Counter(id(c) for c, _k in sup.inbox.waiting())
         rings_whole = len(depth) == len(readers) == 2 and all(ready[key] == d for key, d in depth.items())
     held = [c.held for c in readers]  # now, before the batches below are read
-    table = sup.table()
-    lock_free = table is not None and table.lock_holder() is None
+    lock_free = _lock_seen_free(sup.table(), deadline)
     stats = loader.stats()
     it = iter(loader)
     after = 0
@@ -124,6 +124,17 @@ def _after_storm(loader: MultiprocessShuffledDataloader, deadline_s: float) -> d
         "stats_full": stats.full,
         "after": after,
     }
+
+
+def _lock_seen_free(table: SlotTable | None, deadline: float) -> bool:
+    """Whether the node lock is seen free before ``deadline``. One look is not enough: the writers poll the full
+    buffer under it, microseconds at a time, so a look can find a live writer holding it (the loader delivered on,
+    so nothing had leaked). A hold the storm leaked in this process never ends."""
+    while table is not None and time.monotonic() < deadline:
+        if table.lock_holder() is None:
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def _ready_by(loader: MultiprocessShuffledDataloader, deadline: float) -> bool:
