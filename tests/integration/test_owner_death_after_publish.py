@@ -6,6 +6,7 @@ published them, so the trainer serves them and the respawned writer and the read
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -31,5 +32,20 @@ def test_a_buffer_whose_owner_died_right_after_publishing_it_is_still_served(
         batches = take(iter(loader), 20)
         assert killed.exists(), "the owner was not killed after its publication: the scenario did not happen"
         assert loader.metrics().restarts >= 1, "the owner was not started again"
+        # The trainer serves the published buffer from one fd of its own; an offer that lost the publication (two
+        # writers may both allocate) is closed, not kept.
+        assert _buffer_fds() == 1, f"the trainer holds {_buffer_fds()} fds of node buffers, not the one it serves"
     ids = [i for batch in batches for i in check_unique_batch(batch, 8, 64)]
     assert len(ids) == len(set(ids)), "a row came twice"
+
+
+def _buffer_fds() -> int:
+    """This process's fds of node buffer memfds."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd).startswith("/memfd:gigashuffle-buffer")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            continue
+    return count
