@@ -163,7 +163,8 @@ def restore(sup: Supervisor, resume: ResumePoints, config: DataloaderConfig, sta
 
 
 def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -> None:
-    """The saved rows must fit this queue's buffer: wait for its layout (the writers' first chunk), compare."""
+    """The saved rows must fit this queue's buffer: wait for its published layout (the writers' first chunk),
+    compare."""
     try:
         saved = Layout.from_json(layout_json)
     except (ValueError, KeyError, TypeError) as exc:
@@ -171,14 +172,13 @@ def _check_layout(sup: Supervisor, config: DataloaderConfig, layout_json: str) -
             f"load_state_dict: the saved rows' layout {layout_json[:200]!r} is damaged: {exc}"
         ) from exc
     deadline = time.monotonic() + LAYOUT_TIMEOUT_S
-    while sup.table() is None:
+    while (buffer := sup.node_table.layout()) is None:  # the published one: nothing is mapped for it
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"load_state_dict: queue {config.queue_name!r} has no buffer after {LAYOUT_TIMEOUT_S:.0f} s (no "
                 "writer produced its first chunk), so the saved rows cannot be checked against it; see the log"
             )
         sup.pump()
-    buffer = sup.node_table.rows().layout
     if buffer == saved:
         return
     mine = {f.label: f.describe() for f in buffer.fields}

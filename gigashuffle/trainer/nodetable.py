@@ -47,6 +47,7 @@ from gigashuffle.procs.attach import AttachServer
 from gigashuffle.procs.forgottenbuffer import attach_info, buffer_scope
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.nodefds import fetch_node_fds
+from gigashuffle.schema import Layout
 from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
 from gigashuffle.shm.prefault import fault_in_for_read
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
@@ -145,6 +146,15 @@ class TableView:
             raise
         self._table = SlotTable(slots, memory, stripes=stripes)
         self._keep_meta(buffer_fd)  # closes buffer_fd, or keeps the buffer mapped from it (map_rows)
+
+    def layout(self) -> Layout | None:
+        """The node buffer's row layout, from its published metadata (its HMAC checked); None while none is
+        published. Nothing is mapped for it."""
+        store = self._session.store
+        meta = store.meta()
+        if "hmac" not in meta:
+            return None
+        return verified_layout(self._secret, store.generation, meta, self._config.queue_name)
 
     def rows(self) -> SlotBuffer:
         """The node's buffer itself, mapped on first use: the trainer reads rows from it only for a checkpoint."""
