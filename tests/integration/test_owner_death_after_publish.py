@@ -6,12 +6,12 @@ published them, so the trainer serves them and the respawned writer and the read
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
 import pytest
 from datasets import ProcessIds, check_unique_batch, take
+from leaks import open_fds
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 
@@ -41,11 +41,4 @@ def test_a_buffer_whose_owner_died_right_after_publishing_it_is_still_served(
 
 def _buffer_fds() -> int:
     """This process's fds of node buffer memfds."""
-    fds = Path("/proc/self/fd")
-    count = 0
-    for fd in fds.iterdir():
-        try:
-            count += os.readlink(fd).startswith("/memfd:gigashuffle-buffer")
-        except OSError:  # closed meanwhile (the listing's own fd)
-            continue
-    return count
+    return sum(target.startswith("/memfd:gigashuffle-buffer") for _fd, target in open_fds())
