@@ -109,7 +109,7 @@ class Zygote:
                 env=env,
             )
             theirs.close()
-            self.channel = ours
+            self.channel = zygotereuse.trainer_end(ours)
             self.reused = False
             ours.send(preparation)
         self.pid = self._proc.pid

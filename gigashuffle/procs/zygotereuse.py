@@ -17,7 +17,12 @@ the same children a fresh one would. Rules:
     started, never handed to a loader;
   - a parked zygote ends when the process exits (``atexit``: closed and waited for) or dies (its channel's EOF).
     Until then it keeps its own memory (about 150 MB unshared on this VM: its interpreter and torch); 40 loaders
-    made one after the other in one process left it at the same fds and memory as the first.
+    made one after the other in one process left it at the same fds and memory as the first;
+  - a fork of the trainer (a DataLoader worker, a ``multiprocessing`` fork) closes its copy of every zygote's
+    channel as it starts (``_after_fork_in_child``): a zygote, parked or serving, learns of its trainer's exit or
+    death only by its channel's EOF, which no longer comes while any copy is open. Otherwise a trainer that exited
+    waited 5 s and killed its parked zygote, and a SIGKILLed trainer's zygote and loader children lived as long as
+    any of its forks.
 ``Zygote.close()`` vouches for the children's deaths only after ``Released`` (or the zygote's exit), as before.
 """
 
@@ -28,6 +33,7 @@ import logging
 import os
 import subprocess
 import threading
+import weakref
 from dataclasses import dataclass
 
 from gigashuffle.procs.channel import Channel, ChannelClosed
@@ -131,6 +137,27 @@ def close_and_wait(process: subprocess.Popen[bytes], channel: Channel, timeout_s
 
 
 PARKING = _Parking()
+
+# This process's end of every zygote's channel it started or took, serving or parked (NOTE [ Reused zygotes ]).
+_CHANNELS: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
+def trainer_end(channel: Channel) -> Channel:
+    """Note ``channel`` as this process's end of a zygote's channel, so that its forks close their copies."""
+    _CHANNELS.add(channel)
+    return channel
+
+
+def _after_fork_in_child() -> None:
+    # The child's one thread; no lock is taken (another thread of the parent may have held one at the fork). The
+    # child's copies of the zygote objects stay, closed: its atexit and close() calls leave a zygote that is not
+    # its own alone already (they check the pid).
+    for channel in list(_CHANNELS):
+        channel.close()
+    _CHANNELS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def parked_zygote_pid() -> int | None:

@@ -140,3 +140,49 @@ def test_a_parked_zygote_does_not_outlive_its_process(end: str) -> None:
     finally:
         trainer.kill()
         trainer.wait()
+
+
+_FORKS_AND_ENDS = """
+import os, sys, time
+from gigashuffle.procs.zygoteclient import Zygote
+zygote = Zygote("gigashuffle zygote fork-test")
+if sys.argv[2] == "parked":
+    assert zygote.close() is True
+fork = os.fork()
+if fork == 0:  # a DataLoader worker, say: it holds whatever the trainer's fork left it (but the test's pipes)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    time.sleep(600)
+    os._exit(0)
+print(zygote.pid, fork, flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("zygote", ["parked", "serving"])
+@pytest.mark.parametrize("end", ["exit", "sigkill"])
+def test_a_zygote_does_not_outlive_its_trainer_while_a_fork_of_the_trainer_lives(end: str, zygote: str) -> None:
+    """A zygote learns of its trainer's end by its channel's EOF; a fork of the trainer (a DataLoader worker) that
+    kept a copy of the channel would hold that EOF back (NOTE [ Reused zygotes ]): at an exit the trainer waited
+    for its parked zygote in vain, killed it and warned; SIGKILLed, the zygote lived as long as the fork."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _FORKS_AND_ENDS, "wait" if end == "sigkill" else "exit", zygote],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    fork = 0
+    try:
+        assert trainer.stdout is not None and trainer.stderr is not None
+        pid, fork = (int(word) for word in trainer.stdout.readline().split())
+        if end == "sigkill":
+            trainer.kill()
+        assert trainer.wait(60) == (-signal.SIGKILL if end == "sigkill" else 0)
+        assert pid_alive(fork), "the fork is the point of this test: it must still live"
+        assert _gone(pid), f"the zygote {pid} outlived its trainer while the trainer's fork {fork} lived"
+        assert "did not exit" not in trainer.stderr.read(), "the trainer had to kill its zygote"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if fork:
+            os.kill(fork, signal.SIGKILL)
