@@ -126,6 +126,8 @@ class ChildEnv:
         self.meta_fields = fields
         self._serve(register=False)
         self._offer(fields["owner"])
+        if failpoints.ACTIVE:
+            failpoints.reached("writer.before_publish")
         won = False
         try:
             won = self.store.publish_meta(signed_meta(self.secret, self.spec.generation, fields))

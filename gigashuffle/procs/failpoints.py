@@ -12,9 +12,13 @@ whose children inherit it); a call site costs one test of a module constant.
   * ``error:<marker path>``: the ``n``-th and every later pass raises ``AttachError`` (a step that keeps failing);
     the marker is created at the first;
   * ``interrupt[=<seconds>]:<marker path>``: like the SIGKILL, once, but a SIGINT to itself (after sleeping that
-    long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there.
-Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``writer.after_publish`` (a writer's
-publication of the node buffer won, before it registered, said ``Attached`` or committed a row),
+    long, in which the process serves nothing: what its children sent meanwhile waits unread): a Ctrl-C there;
+  * ``barrier:<directory>``: a meeting of ``n`` processes: each of the first ``n`` to pass leaves a file named by
+    its pid in the directory and waits until there are ``n`` (at most ``BARRIER_WAIT_S``; a test asserts the
+    count); later passes go on at once. It forces an interleaving that timing would hit only sometimes.
+Points: ``writer.after_commit`` (rows committed, nothing else done yet), ``writer.before_publish`` (a writer made or
+adopted a node buffer and offered it to the trainer, and is about to publish it), ``writer.after_publish`` (a
+writer's publication of the node buffer won, before it registered, said ``Attached`` or committed a row),
 ``reader.after_release`` (a draw's slots released, its batches not yet announced), ``reader.before_attach`` (a reader
 about to attach the node's buffer), ``cut.readers_asked`` (the trainer, in a checkpoint's cut, right after it asked its
 readers to pause), ``trainer.map_table`` (the trainer about to map its slot table, from the fds a writer offered or
@@ -36,6 +40,7 @@ from gigashuffle.errors import AttachError
 log = logging.getLogger(__name__)
 
 _ENV = "GIGASHUFFLE_FAILPOINTS"
+BARRIER_WAIT_S = 60.0
 
 
 def _parse(text: str) -> dict[str, tuple[int, str]]:
@@ -65,13 +70,16 @@ def reached(point: str) -> None:
         return
     _passes[point] = _passes.get(point, 0) + 1
     count, action = armed
-    if _passes[point] < count:
+    if _passes[point] < count and not action.startswith("barrier:"):
         return
     if action.startswith("sleep="):
         seconds, _, marker = action.removeprefix("sleep=").partition(":")
         if marker and not os.path.exists(marker):
             _mark(marker)
         time.sleep(float(seconds))
+        return
+    if action.startswith("barrier:"):
+        _meet(action.removeprefix("barrier:"), count)
         return
     if action.startswith("error:"):
         if not os.path.exists(marker := action.removeprefix("error:")):
@@ -97,3 +105,14 @@ def _mark(marker: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def _meet(directory: str, processes: int) -> None:
+    """Wait at a barrier of ``processes`` processes in ``directory`` (see the module's text)."""
+    if len(os.listdir(directory)) >= processes:
+        return  # met already: a later pass, or a respawned process
+    _mark(os.path.join(directory, str(os.getpid())))
+    deadline = time.monotonic() + BARRIER_WAIT_S
+    while len(os.listdir(directory)) < processes and time.monotonic() < deadline:
+        time.sleep(0.005)
+

@@ -20,10 +20,13 @@ from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader
 def test_a_buffer_whose_owner_died_right_after_publishing_it_is_still_served(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writers: int
 ) -> None:
-    killed = tmp_path / "owner-killed"
-    # The first writer whose publication wins SIGKILLs itself at once (the marker keeps its successor alive). The
+    killed, met = tmp_path / "owner-killed", tmp_path / "met"
+    met.mkdir()
+    # The first writer whose publication wins SIGKILLs itself at once (the marker keeps its successor alive). With
+    # two writers, both make a buffer and offer it before either publishes (a barrier), so one offer loses. The
     # zygote reads the fail points when it starts (procs/failpoints.py); this process never does.
-    monkeypatch.setenv("GIGASHUFFLE_FAILPOINTS", f"writer.after_publish=1:{killed}")
+    points = f"writer.after_publish=1:{killed}" + (f",writer.before_publish={writers}:barrier:{met}" * (writers > 1))
+    monkeypatch.setenv("GIGASHUFFLE_FAILPOINTS", points)
     cfg = DataloaderConfig(
         bs=8, shuffle_size=64, queue_name=f"owner-published-{uuid.uuid4().hex[:8]}", num_writers=writers,
         num_readers=1, max_restarts=2, redis_timeout_s=3.0, redis_url=redis_url,
@@ -31,6 +34,8 @@ def test_a_buffer_whose_owner_died_right_after_publishing_it_is_still_served(
     with MultiprocessShuffledDataloader(ProcessIds(), cfg) as loader:
         batches = take(iter(loader), 20)
         assert killed.exists(), "the owner was not killed after its publication: the scenario did not happen"
+        if writers > 1:
+            assert len(list(met.iterdir())) == writers, "the writers did not both offer a buffer before publishing"
         assert loader.metrics().restarts >= 1, "the owner was not started again"
         # The trainer serves the published buffer from one fd of its own; an offer that lost the publication (two
         # writers may both allocate) is closed, not kept.
