@@ -115,4 +115,3 @@ def _meet(directory: str, processes: int) -> None:
     deadline = time.monotonic() + BARRIER_WAIT_S
     while len(os.listdir(directory)) < processes and time.monotonic() < deadline:
         time.sleep(0.005)
-
