@@ -103,6 +103,11 @@ class _Parking:
         with self._lock:
             return self._parked if self._owner == os.getpid() else None
 
+    def after_fork_in_child(self) -> None:
+        """Another thread of the parent may have held the lock at the fork: the child gets a fresh one, or its first
+        loader would wait on it forever."""
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         """End the parked zygote and park none from now on (at the process's exit: nothing of the loaders
         outlives it)."""
@@ -149,9 +154,9 @@ def trainer_end(channel: Channel) -> Channel:
 
 
 def _after_fork_in_child() -> None:
-    # The child's one thread; no lock is taken (another thread of the parent may have held one at the fork). The
-    # child's copies of the zygote objects stay, closed: its atexit and close() calls leave a zygote that is not
-    # its own alone already (they check the pid).
+    # The child's one thread. The child's copies of the zygote objects stay, closed: its atexit and close() calls
+    # leave a zygote that is not its own alone already (they check the pid).
+    PARKING.after_fork_in_child()
     for channel in list(_CHANNELS):
         channel.close()
     _CHANNELS.clear()
