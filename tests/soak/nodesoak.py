@@ -156,9 +156,8 @@ class Rank(Faulting):
         self.events[event] += 1
         mine = whose == self.rank
         if event in ("kill_writer", "kill_reader"):
-            victim = self._child(loader, event.removeprefix("kill_")) if mine else 0
-            if victim:
-                os.kill(victim, signal.SIGKILL)
+            if mine:
+                self._kill_one(loader, event.removeprefix("kill_"))
         elif event == "checkpoint":
             self.checkpoint(loader)
         elif event == "kill_in_checkpoint":

@@ -221,6 +221,13 @@ class Faulting:
         pids = [pid for role in roles for pid in loader.child_pids(timeout_s=self.args.stall_s)[role]]
         return self.rng.choice(pids) if pids else 0
 
+    def _kill_one(self, loader: MultiprocessShuffledDataloader, role: str) -> None:
+        """SIGKILL a random live child of ``role``. "Live" is the trainer's view: a child may have died since (the
+        zygote reaped it and the trainer has not read that yet), so its pid may be gone."""
+        victim = self._child(loader, role)
+        if victim:
+            _kill(victim, signal.SIGKILL)
+
     def _sample(self, me: psutil.Process) -> None:
         sample = _sample(me)
         # This script's own counts grow with the rows read (a byte per row, and the copy at the last checkpoint).
@@ -264,9 +271,7 @@ class Soak(Faulting):
         event = self.schedule.choice(EVENTS)
         self.events[event] += 1
         if event in ("kill_writer", "kill_reader"):
-            victim = self._child(loader, event.removeprefix("kill_"))
-            if victim:
-                os.kill(victim, signal.SIGKILL)
+            self._kill_one(loader, event.removeprefix("kill_"))
         elif event == "checkpoint":
             self._state_dict(loader)
         elif event == "kill_in_checkpoint":
