@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from forked import held_by_a_thread
 
 from gigashuffle.procs import interrupts
 from gigashuffle.procs.interrupts import critical
@@ -130,23 +131,10 @@ def test_a_finalizer_section_does_not_raise_and_the_next_section_does() -> None:
 
 
 def test_sections_of_other_threads_defer_nothing() -> None:
-    inside, leave = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with critical():
-            inside.set()
-            leave.wait(10)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    try:
-        assert inside.wait(10)
+    with held_by_a_thread(critical, 10):
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-    finally:
-        leave.set()
-        thread.join(10)
 
 
 def test_a_wait_point_raises_only_where_every_open_section_allows_it() -> None:

@@ -12,13 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
-from forked import fork_child, wait_child
+from forked import fork_child, held_by_a_thread, wait_child
 
 from gigashuffle.host.pids import pid_alive
 from gigashuffle.procs import zygoteclient, zygotereuse
@@ -113,22 +112,9 @@ def test_a_forked_copy_of_the_trainer_neither_releases_nor_ends_the_zygote() -> 
 def test_a_fork_made_while_another_thread_held_the_parking_lock_can_take_a_zygote() -> None:
     """A trainer thread inside the parking's lock while the main thread forks (a DataLoader worker starting): the
     fork's copy of the lock would be held forever, and its first loader would hang taking a zygote."""
-    held, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with zygotereuse.PARKING._lock:
-            held.set()
-            done.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
+    with held_by_a_thread(lambda: zygotereuse.PARKING._lock):
         child = fork_child(lambda: 0 if zygotereuse.PARKING.take(("no such start",), {}) is None else 1)
         status = wait_child(child, 20)  # a fork that waits on the lock fails here, at the deadline
-    finally:
-        done.set()
-        holder.join()
     assert os.waitstatus_to_exitcode(status) == 0
 
 
