@@ -70,16 +70,16 @@ def reached(point: str) -> None:
         return
     _passes[point] = _passes.get(point, 0) + 1
     count, action = armed
-    if _passes[point] < count and not action.startswith("barrier:"):
+    if action.startswith("barrier:"):  # its count is of processes, not of passes
+        _meet(action.removeprefix("barrier:"), count)
+        return
+    if _passes[point] < count:
         return
     if action.startswith("sleep="):
         seconds, _, marker = action.removeprefix("sleep=").partition(":")
         if marker and not os.path.exists(marker):
             _mark(marker)
         time.sleep(float(seconds))
-        return
-    if action.startswith("barrier:"):
-        _meet(action.removeprefix("barrier:"), count)
         return
     if action.startswith("error:"):
         if not os.path.exists(marker := action.removeprefix("error:")):
