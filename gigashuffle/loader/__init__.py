@@ -101,6 +101,7 @@ class MultiprocessShuffledDataloader(CheckpointMethods, ProcessMethods):
     def __iter__(self) -> Iterator[Any]:
         """Batches as ``list[dict]`` (one dict per group of the dataset's chunks), or a ``dict`` with
         ``DataloaderConfig.batch_format="dict"``; with ``steps_per_epoch``, that many per ``iter()``."""
+        self._batches.check_not_a_fork()
         if self.config.num_readers == 0:
             raise GigashuffleError(
                 f"queue {self.config.queue_name!r} rank {self.config.global_rank}: this loader has "

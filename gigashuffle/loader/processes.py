@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from gigashuffle.errors import GigashuffleError
+from gigashuffle.trainer import forks
 from gigashuffle.trainer.supervisor import Supervisor
 
 _TURN_POLL_S = 0.05  # how long child_pids() waits for the turn before it looks at the pids again
@@ -35,6 +36,7 @@ class ProcessMethods:
     def wait_started(self, timeout_s: float = 120.0) -> None:
         """Block until every child has a pid (spawned by the zygote); mostly for tests and tools."""
         sup = self._sup
+        forks.refuse_a_copy(sup.config.queue_name, sup.forked_from)  # pumping would read the parent's channels
         deadline = time.monotonic() + timeout_s
         while any(c.pid is None for c in sup.children if c.alive):
             if time.monotonic() > deadline:

@@ -89,6 +89,12 @@ class AttachServer:
         self._sock.close()
         remove_socket(self.path)
 
+    def forget_in_fork(self) -> None:
+        """In a fork's child: close this copy's listening socket; the parent's server, its thread and its socket
+        file go on (close() here would unlink the file the parent serves on). The fds served are the caller's."""
+        self._stop.set()
+        self._sock.close()
+
     def _wake(self) -> None:
         """Connect once, so that the accept loop sees the stop now and not at its next poll: closing a loader waited
         up to ``_ACCEPT_POLL_S`` here (half of a later loader's whole life in the test suite)."""

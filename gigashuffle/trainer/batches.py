@@ -37,7 +37,7 @@ from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import INDEX_KEY
 from gigashuffle.shm.counters import W_ROWS
 from gigashuffle.shm.slottable import ShuffleBufferStats
-from gigashuffle.trainer import pinning, progress
+from gigashuffle.trainer import forks, pinning, progress
 from gigashuffle.trainer.metrics import MetricsReader
 from gigashuffle.trainer.pinning import Batch
 from gigashuffle.trainer.supervisor import Supervisor
@@ -77,9 +77,13 @@ class Batches:
         self._stalls_due = 0.0
 
     def check_open(self) -> None:
+        self.check_not_a_fork()
         if self._sup.closed:
             raise GigashuffleError(f"the loader of queue {self.config.queue_name!r} is closed")
         self._sup.raise_if_failed()
+
+    def check_not_a_fork(self) -> None:
+        forks.refuse_a_copy(self.config.queue_name, self._sup.forked_from)
 
     def stop_progress(self) -> None:
         """At close: a filling bar still shown ends, unreached."""
@@ -115,6 +119,7 @@ class Batches:
             yield batch
 
     def next_batch(self) -> Any:
+        self.check_not_a_fork()
         with self._sup.turn:  # one thread at a time in the trainer-side state: see Supervisor.pump()
             return self._next_batch()
 

@@ -271,20 +271,22 @@ class TableView:
         except NodeLockBusy as exc:  # their housekeeping returns them once the holder goes on
             log.warning("%s; this rank's slots are left to the other ranks' housekeeping", exc)
 
-    def close(self) -> None:
+    def close(self, in_fork: bool = False) -> None:
+        """Let go of the offers, the server, the served fd, the buffer and the table. ``in_fork``: in a fork's
+        child, touching nothing the parent uses (NOTE [ Forks of the trainer ] in trainer/forks.py): the server's
+        socket file stays, and the mappings go even under live views."""
         self._drop_offers()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        server, self._server = self._server, None
+        if server is not None:
+            server.forget_in_fork() if in_fork else server.close()
         if self._served_fd >= 0:
             os.close(self._served_fd)
             self._served_fd = -1
-        if self._buffer is not None:
-            self._buffer.memory.close()
-            self._buffer = None
-        if self._table is not None:
-            self._table.close()
-            self._table = None
+        buffer, table, self._buffer, self._table = self._buffer, self._table, None, None
+        if buffer is not None:
+            buffer.memory.forget() if in_fork else buffer.memory.close()
+        if table is not None:
+            table.memory.forget() if in_fork else table.close()  # its lock descriptions: shm/nodelock.py's hook
 
 
 def _close_pair(fds: tuple[int, int] | None) -> None:

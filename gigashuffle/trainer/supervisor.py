@@ -37,7 +37,7 @@ from gigashuffle.procs.messages import Spawned, ToChild, ZygoteEvent
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.shm.slotqueue import RECHECK_S
 from gigashuffle.shm.slottable import SlotTable
-from gigashuffle.trainer import rejoin
+from gigashuffle.trainer import forks, rejoin
 from gigashuffle.trainer.childmessages import ChildMessages, drain
 from gigashuffle.trainer.children import Children
 from gigashuffle.trainer.childspecs import ChildSpecs, WriterStarts
@@ -84,6 +84,7 @@ class Supervisor:
         self._quiet_pumps = 0  # pumps in a row that found nothing: each waits twice as long for a missed doorbell
         self.failure: BaseException | None = None
         self._closed = False
+        self.forked_from: int | None = None  # in a fork's copy, the pid of the trainer it was copied from
         # The rank that copies the buffer at a checkpoint maps it with the table (NOTE [ Checkpoint cut ], in
         # the mode of DataloaderConfig.delivers_once); a dataset without state is never checkpointed.
         copies = stateful and config.local_rank == 0 and config.delivers_once
@@ -95,6 +96,7 @@ class Supervisor:
                               self._children.spawn)  # fmt: skip
         self.seed = self._children.specs.seed
         self.zygote = self._children.zygote
+        forks.register(self)
         self._children.start()
 
     # -- read-only figures ----------------------------------------------------------------------------------
@@ -266,6 +268,11 @@ class Supervisor:
         half way leaves processes and Redis keys."""
         with critical(deliver=False):
             self._shutdown()
+
+    def forget_in_fork(self, parent: int) -> None:
+        """In a fork's child: closed here, with nothing shared touched (NOTE [ Forks of the trainer ])."""
+        self.forked_from, self._closed = parent, True
+        self.node_table.close(in_fork=True)
 
     def _shutdown(self) -> None:
         if self._closed:

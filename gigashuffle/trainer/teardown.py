@@ -41,7 +41,8 @@ def shutdown(placement: pinning.Placement, sup: Supervisor) -> None:
     (NOTE [ Shutdown ])."""
     with critical(deliver=False):  # whether closed, collected or run at exit: NOTE [ Ctrl-C ]
         try:
-            placement.close()
+            if sup.forked_from is None:  # a fork's copy leaves the rings' copies to the parent (trainer/forks.py)
+                placement.close()
         finally:
             sup.shutdown()
             interrupts.uninstall()

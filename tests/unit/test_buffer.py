@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from forked import fork_child, wait_child
 
 from gigashuffle import INDEX_KEY
 from gigashuffle.schema import Layout
@@ -113,6 +116,37 @@ def test_closed_shared_memory_refuses_new_views_but_old_views_stay_valid() -> No
         mem.numpy_view(0, 8)
     assert view.eq(42).all()  # the mapping lives as long as a tensor made from it
     mem.close()  # idempotent
+
+
+def test_forget_in_a_fork_unmaps_the_memory_even_under_live_views() -> None:
+    """``SharedMemory.forget`` (a fork's copy of the trainer's node buffer: NOTE [ Forks of the trainer ]) drops the
+    fork's fd and mapping though a view of it lives there; the view's addresses stay reserved, and the parent's
+    mapping and bytes are untouched."""
+    memory = SharedMemory(1 << 20, name="gigashuffle-forget-test")
+    view = memory.numpy_view(0, 1 << 20)
+    view[:] = 7
+    address = view.ctypes.data
+
+    def in_the_fork() -> int:
+        memory.forget()
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own fd, closed by now
+                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        held = [line for line in maps + fds if "gigashuffle-forget-test" in line]
+        reserved = [
+            fields[1]
+            for fields in (line.split() for line in maps)
+            if int(fields[0].split("-")[0], 16) <= address < int(fields[0].split("-")[1], 16)
+        ]
+        return 0 if not held and memory.fd is None and reserved == ["---p"] else 1
+
+    status = wait_child(fork_child(in_the_fork))
+    assert os.waitstatus_to_exitcode(status) == 0, "the fork still holds the memory, or its view's range is free"
+    assert memory.fd is not None and int(view.sum()) == 7 << 20  # the parent's are as they were
+    del view
+    memory.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.float16, torch.bfloat16, *FLOAT8])

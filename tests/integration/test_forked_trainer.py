@@ -1,0 +1,133 @@
+"""A fork of the training process (a DataLoader worker, a pool, an ``os.fork()``) holds a copy of every loader open in
+it: the copy refuses every use, its close touches nothing of the parent's loader, and the fork lets go of the node
+buffer and the slot table at once, keeping the reader rings its inherited batches are views of
+(NOTE [ Forks of the trainer ] in trainer/forks.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import PassIds, take
+from forked import fork_child, wait_child
+from torch.utils.data import DataLoader, Dataset
+
+from gigashuffle import DataloaderConfig, GigashuffleError, MultiprocessShuffledDataloader
+
+FORK_REFUSAL = "is a fork of it"
+
+
+def _node_memory(pid: int) -> dict[str, list[str]]:
+    """The gigashuffle memfds ``pid`` maps or holds an fd of, by kind (``buffer``, ``slots``, ``ring``)."""
+    held: dict[str, list[str]] = {"buffer": [], "slots": [], "ring": []}
+    names = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    places = ["mapped"] * len(names)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            names.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # the listing's own fd, closed already
+            continue
+        places.append(f"fd {fd}")
+    for name, place in zip(names, places, strict=True):
+        for kind, found in held.items():
+            if f"memfd:gigashuffle-{kind} " in name + " ":
+                found.append(place)
+    return held
+
+
+def _ids_sum(batches: list[Any]) -> int:
+    return sum(int(batch[0]["id"].sum()) for batch in batches)
+
+
+def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node_buffer(
+    redis_url: str, runtime_dir: Path
+) -> None:
+    config = DataloaderConfig(
+        bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
+        redis_url=redis_url, checkpoint_rows="saved",
+    )  # fmt: skip
+    with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
+        it = iter(loader)
+        kept = take(it, 3)  # held across the fork: views of this rank's reader ring
+        loader.state_dict()  # the rank that copies rows at a checkpoint has the whole buffer mapped from now on
+        parent = _node_memory(os.getpid())
+        assert "mapped" in parent["buffer"] and any(h.startswith("fd") for h in parent["buffer"]), parent
+        processes = loader.child_pids()
+        report_r, report_w = os.pipe()
+
+        def in_the_fork() -> int:
+            os.close(report_r)
+            report: dict[str, Any] = {"memory": _node_memory(os.getpid()), "kept": _ids_sum(kept), "refused": []}
+            uses: list[tuple[str, Callable[[], Any]]] = [
+                ("next", lambda: next(it)),
+                ("iter", lambda: iter(loader)),
+                ("stats", loader.stats),
+                ("state_dict", loader.state_dict),
+                ("child_pids", loader.child_pids),
+            ]
+            for name, use in uses:
+                try:
+                    use()
+                except GigashuffleError as exc:
+                    if FORK_REFUSAL in str(exc):
+                        report["refused"].append(name)
+            loader.close()  # what the fork's exit does: its with-block unwound, or the exit hook
+            os.write(report_w, json.dumps(report).encode())
+            return 0
+
+        child = fork_child(in_the_fork)
+        os.close(report_w)
+        status = wait_child(child)
+        with os.fdopen(report_r, "rb") as pipe:
+            report = json.loads(pipe.read() or b"{}")
+        assert os.waitstatus_to_exitcode(status) == 0 and report, f"the fork failed: status {status}"
+
+        assert report["memory"]["buffer"] == [], f"the fork holds the node buffer: {report['memory']}"
+        assert report["memory"]["slots"] == [], f"the fork holds the slot table: {report['memory']}"
+        assert "mapped" in report["memory"]["ring"], "the fork lost the ring its inherited batches are views of"
+        assert report["kept"] == _ids_sum(kept), "a batch inherited by the fork read other rows there"
+        assert report["refused"] == ["next", "iter", "stats", "state_dict", "child_pids"], report["refused"]
+
+        # The parent's loader went on untouched: the same processes, and the pass's rows, each once.
+        assert not loader.closed
+        assert loader.child_pids() == processes
+        more = take(it, 40)
+        ids = [int(i) for batch in kept + more for i in batch[0]["id"]]
+        assert len(ids) == len(set(ids)) and all(0 <= i < 4000 for i in ids), "rows lost or repeated"
+
+
+class _NodeMemoryOfWorker(Dataset):  # type: ignore[type-arg]
+    """Each item: how many handles on the node buffer and the slot table the DataLoader worker reading it holds."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        held = _node_memory(os.getpid())
+        return torch.tensor(len(held["buffer"]) + len(held["slots"]))
+
+
+def test_dataloader_workers_forked_beside_a_loader_hold_none_of_its_node_buffer(
+    redis_url: str, runtime_dir: Path
+) -> None:
+    """The common fork: a validation DataLoader's workers, persistent, started while the training loader is open.
+    Each was a copy of the trainer, with the buffer's fds and mapping: its memory outlived the loader for the run."""
+    config = DataloaderConfig(
+        bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
+        redis_url=redis_url, checkpoint_rows="saved",
+    )  # fmt: skip
+    with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
+        it = iter(loader)
+        take(it, 3)
+        loader.state_dict()
+        assert _node_memory(os.getpid())["buffer"], "the trainer maps no buffer: nothing to check"
+        validation = DataLoader(
+            _NodeMemoryOfWorker(), num_workers=2, persistent_workers=True, timeout=60, multiprocessing_context="fork"
+        )
+        assert [int(held) for held in validation] == [0, 0, 0, 0]
+        take(it, 5)  # and the training loader goes on
