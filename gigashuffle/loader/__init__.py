@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -242,6 +242,13 @@ class MultiprocessShuffledDataloader(CheckpointMethods, ProcessMethods):
         self._batches.stop_progress()
         with critical():  # a Ctrl-C meanwhile is raised once every process is stopped (NOTE [ Ctrl-C ])
             self._finalizer()
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(
+            f"the loader of queue {self.config.queue_name!r} cannot be pickled or copied: it owns processes and shared "
+            "memory of the process that opened it. Pickle its dataset and DataloaderConfig instead and open a loader "
+            "where they arrive (with Lightning, in train_dataloader(), which runs in every process)"
+        )
 
     def __enter__(self) -> MultiprocessShuffledDataloader:
         return self

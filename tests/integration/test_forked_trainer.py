@@ -1,17 +1,20 @@
-"""A fork of the training process (a DataLoader worker, a pool, an ``os.fork()``) holds a copy of every loader open in
-it: the copy refuses every use, its close touches nothing of the parent's loader, and the fork lets go of the node
-buffer and the slot table at once, keeping the reader rings its inherited batches are views of
-(NOTE [ Forks of the trainer ] in trainer/forks.py)."""
+"""A loader serves the process that opened it. A fork of the training process (a DataLoader worker, a pool, an
+``os.fork()``) holds a copy of every loader open in it: the copy refuses every use, its close touches nothing of the
+parent's loader, and the fork lets go of the node buffer and the slot table at once, keeping the reader rings its
+inherited batches are views of (NOTE [ Forks of the trainer ] in trainer/forks.py). A pickle of a loader is refused."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from datasets import PassIds, take
 from forked import fork_child, wait_child
@@ -58,6 +61,9 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
         parent = _node_memory(os.getpid())
         assert "mapped" in parent["buffer"] and any(h.startswith("fd") for h in parent["buffer"]), parent
         processes = loader.child_pids()
+        for copy_of in (pickle.dumps, copy.copy):
+            with pytest.raises(TypeError, match=r"cannot be pickled or copied.*DataloaderConfig"):
+                copy_of(loader)
         report_r, report_w = os.pipe()
 
         def in_the_fork() -> int:
