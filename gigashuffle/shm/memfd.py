@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +39,11 @@ class SharedMemory:
         # The mapping lives as long as any tensor made from it (torch keeps a reference to the exporter), so a
         # batch the caller still holds stays valid after close().
         self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        # The fd is this object's from here on: closed by close_fd(), or when it is collected unclosed (the mapping
+        # closes its own). Not at exit: the loader's teardown at exit still uses the slot table's fd after
+        # weakref's exit pass would have run this newer finalizer (NOTE [ Loaders at exit ] in trainer/teardown.py).
+        self._fd_finalizer = weakref.finalize(self, os.close, fd)
+        self._fd_finalizer.atexit = False
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A ``uint8`` tensor over ``[offset, offset + nbytes)`` of the mapping."""
@@ -54,8 +60,8 @@ class SharedMemory:
 
     def close_fd(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
             self.fd = None
+            self._fd_finalizer()
 
     def close(self) -> None:
         """Drop this object's hold on the memory; live tensor views keep the mapping until they die."""

@@ -77,8 +77,8 @@ class Batches:
         self._stalls_due = 0.0
 
     def check_open(self) -> None:
-        self.check_not_a_fork()
         if self._sup.closed:
+            self.check_not_a_fork()  # a fork's copy is closed, and says whose it is
             raise GigashuffleError(f"the loader of queue {self.config.queue_name!r} is closed")
         self._sup.raise_if_failed()
 
@@ -119,7 +119,8 @@ class Batches:
             yield batch
 
     def next_batch(self) -> Any:
-        self.check_not_a_fork()
+        if self._sup.forked_from is not None:  # before the turn: a thread of the parent may have held it at the fork
+            self.check_not_a_fork()
         with self._sup.turn:  # one thread at a time in the trainer-side state: see Supervisor.pump()
             return self._next_batch()
 

@@ -25,22 +25,35 @@ from gigashuffle import DataloaderConfig, GigashuffleError, MultiprocessShuffled
 FORK_REFUSAL = "is a fork of it"
 
 
-def _node_memory(pid: int) -> dict[str, list[str]]:
-    """The gigashuffle memfds ``pid`` maps or holds an fd of, by kind (``buffer``, ``slots``, ``ring``)."""
-    held: dict[str, list[str]] = {"buffer": [], "slots": [], "ring": []}
-    names = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    places = ["mapped"] * len(names)
+def _node_memory(pid: int) -> set[tuple[str, int, str]]:
+    """The gigashuffle memfds ``pid`` holds, as (kind, inode, how): kind ``buffer``, ``slots`` or ``ring``, how
+    ``mapped`` or ``fd``. Inodes tell this test's loader from what earlier tests of the process left."""
+    held: set[tuple[str, int, str]] = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        kind = _kind(fields[5] if len(fields) == 6 else "")
+        if kind:
+            held.add((kind, int(fields[4]), "mapped"))
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            names.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            kind, inode = _kind(os.readlink(f"/proc/{pid}/fd/{fd}")), os.stat(f"/proc/{pid}/fd/{fd}").st_ino
         except OSError:  # the listing's own fd, closed already
             continue
-        places.append(f"fd {fd}")
-    for name, place in zip(names, places, strict=True):
-        for kind, found in held.items():
-            if f"memfd:gigashuffle-{kind} " in name + " ":
-                found.append(place)
+        if kind:
+            held.add((kind, inode, "fd"))
     return held
+
+
+def _kind(name: str) -> str:
+    for kind in ("buffer", "slots", "ring"):
+        if name.startswith(f"/memfd:gigashuffle-{kind} "):
+            return kind
+    return ""
+
+
+def _of_files(held: set[tuple[str, int, str]], files: set[tuple[str, int]]) -> set[tuple[str, str]]:
+    """(kind, how) of what ``held`` holds of ``files`` (kind, inode)."""
+    return {(kind, how) for kind, inode, how in held if (kind, inode) in files}
 
 
 def _ids_sum(batches: list[Any]) -> int:
@@ -54,12 +67,14 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
         bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
         redis_url=redis_url, checkpoint_rows="saved",
     )  # fmt: skip
+    before = {(kind, inode) for kind, inode, _how in _node_memory(os.getpid())}
     with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
         it = iter(loader)
         kept = take(it, 3)  # held across the fork: views of this rank's reader ring
         loader.state_dict()  # the rank that copies rows at a checkpoint has the whole buffer mapped from now on
-        parent = _node_memory(os.getpid())
-        assert "mapped" in parent["buffer"] and any(h.startswith("fd") for h in parent["buffer"]), parent
+        held = _node_memory(os.getpid())
+        files = {(kind, inode) for kind, inode, _how in held} - before  # this loader's
+        assert {("buffer", "mapped"), ("buffer", "fd"), ("slots", "fd")} <= _of_files(held, files), held
         processes = loader.child_pids()
         for copy_of in (pickle.dumps, copy.copy):
             with pytest.raises(TypeError, match=r"cannot be pickled or copied.*DataloaderConfig"):
@@ -68,7 +83,8 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
 
         def in_the_fork() -> int:
             os.close(report_r)
-            report: dict[str, Any] = {"memory": _node_memory(os.getpid()), "kept": _ids_sum(kept), "refused": []}
+            memory = sorted(_of_files(_node_memory(os.getpid()), files))
+            report: dict[str, Any] = {"memory": memory, "kept": _ids_sum(kept), "refused": []}
             uses: list[tuple[str, Callable[[], Any]]] = [
                 ("next", lambda: next(it)),
                 ("iter", lambda: iter(loader)),
@@ -93,9 +109,9 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
             report = json.loads(pipe.read() or b"{}")
         assert os.waitstatus_to_exitcode(status) == 0 and report, f"the fork failed: status {status}"
 
-        assert report["memory"]["buffer"] == [], f"the fork holds the node buffer: {report['memory']}"
-        assert report["memory"]["slots"] == [], f"the fork holds the slot table: {report['memory']}"
-        assert "mapped" in report["memory"]["ring"], "the fork lost the ring its inherited batches are views of"
+        memory = {(kind, how) for kind, how in report["memory"]}
+        assert not {kind for kind, _how in memory} & {"buffer", "slots"}, f"the fork holds the node's: {memory}"
+        assert ("ring", "mapped") in memory, "the fork lost the ring its inherited batches are views of"
         assert report["kept"] == _ids_sum(kept), "a batch inherited by the fork read other rows there"
         assert report["refused"] == ["next", "iter", "stats", "state_dict", "child_pids"], report["refused"]
 
@@ -108,14 +124,17 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
 
 
 class _NodeMemoryOfWorker(Dataset):  # type: ignore[type-arg]
-    """Each item: how many handles on the node buffer and the slot table the DataLoader worker reading it holds."""
+    """Each item: how many handles on ``files`` (a loader's buffer and slot table) the DataLoader worker holds."""
+
+    def __init__(self, files: set[tuple[str, int]]) -> None:
+        self.files = files
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, index: int) -> torch.Tensor:
         held = _node_memory(os.getpid())
-        return torch.tensor(len(held["buffer"]) + len(held["slots"]))
+        return torch.tensor(len([1 for kind, inode, _how in held if (kind, inode) in self.files]))
 
 
 def test_dataloader_workers_forked_beside_a_loader_hold_none_of_its_node_buffer(
@@ -127,13 +146,20 @@ def test_dataloader_workers_forked_beside_a_loader_hold_none_of_its_node_buffer(
         bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
         redis_url=redis_url, checkpoint_rows="saved",
     )  # fmt: skip
+    before = {(kind, inode) for kind, inode, _how in _node_memory(os.getpid())}
     with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
         it = iter(loader)
         take(it, 3)
         loader.state_dict()
-        assert _node_memory(os.getpid())["buffer"], "the trainer maps no buffer: nothing to check"
+        held = _node_memory(os.getpid())
+        files = {(kind, inode) for kind, inode, _how in held if kind != "ring"} - before
+        assert ("buffer", "mapped") in _of_files(held, files), "the trainer maps no buffer: nothing to check"
         validation = DataLoader(
-            _NodeMemoryOfWorker(), num_workers=2, persistent_workers=True, timeout=60, multiprocessing_context="fork"
+            _NodeMemoryOfWorker(files),
+            num_workers=2,
+            persistent_workers=True,
+            timeout=60,
+            multiprocessing_context="fork",
         )
         assert [int(held) for held in validation] == [0, 0, 0, 0]
         take(it, 5)  # and the training loader goes on
