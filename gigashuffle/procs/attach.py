@@ -91,8 +91,8 @@ class AttachServer:
 
     def forget_in_fork(self) -> None:
         """In a fork's child: close this copy's listening socket; the parent's server, its thread and its socket
-        file go on (close() here would unlink the file the parent serves on). The fds served are the caller's."""
-        self._stop.set()
+        file go on (close() here would unlink the file the parent serves on). The fds served are the caller's. No
+        lock is taken: the child has no serving thread, and a parent thread may have held one at the fork."""
         self._sock.close()
 
     def _wake(self) -> None:
