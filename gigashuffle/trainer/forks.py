@@ -1,11 +1,11 @@
 """What a fork of the training process keeps of the loaders open in it, and what it may do with them.
 
 NOTE [ Forks of the trainer ]
-Training scripts fork: torch DataLoader workers (fork is the start method on Linux), a ``multiprocessing`` pool, an
-``os.fork()`` of their own. The child is a copy of the trainer with a copy of every loader open in it, and it shares
-with the parent all that the kernel shares: the channels to the loader's processes and its zygote, the Redis
-sockets, the fds and mappings of the node buffer and the slot table. A copy that used them would act on the
-parent's loader:
+Training scripts fork: torch DataLoader workers (fork is Linux's default start method before Python 3.14), a
+``multiprocessing`` pool, an ``os.fork()`` of their own. The child is a copy of the trainer with a copy of every
+loader open in it, and it shares with the parent all that the kernel shares: the channels to the loader's processes
+and its zygote, the Redis sockets, the fds and mappings of the node buffer and the slot table. A copy that used them
+would act on the parent's loader:
 - a ``next()`` read the parent's channels and took a batch a reader had announced to the parent: a ring slot, and
   its rows, lost to the parent;
 - a close (the child's ``with`` block unwound, or the exit hook of trainer/teardown.py at the child's exit) went
