@@ -17,17 +17,23 @@ from gigashuffle.host.pids import pid_alive
 
 
 def runtime_dir() -> Path:
-    """``$GIGASHUFFLE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/gigashuffle``, else ``/tmp/gigashuffle-<uid>``."""
+    """``$GIGASHUFFLE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/gigashuffle``, else ``/tmp/gigashuffle-<uid>``; made
+    private if missing."""
+    path = runtime_dir_path()
+    _ensure_private_dir(path)
+    return path
+
+
+def runtime_dir_path() -> Path:
+    """Where ``runtime_dir()`` is, without making it: for cleanups, which have nothing to remove from a directory
+    that is gone (a zygote that outlived a test's directory made it again, empty)."""
     explicit = os.environ.get("GIGASHUFFLE_RUNTIME_DIR")
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if explicit:
-        path = Path(explicit)
-    elif xdg and os.path.isdir(xdg):
-        path = Path(xdg) / "gigashuffle"
-    else:
-        path = Path("/tmp") / f"gigashuffle-{os.getuid()}"
-    _ensure_private_dir(path)
-    return path
+        return Path(explicit)
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "gigashuffle"
+    return Path("/tmp") / f"gigashuffle-{os.getuid()}"
 
 
 def _ensure_private_dir(path: Path) -> None:

@@ -111,13 +111,13 @@ def _stop_children(children: dict[int, int]) -> None:
         except ChildProcessError:
             continue
     # A SIGKILLed trainer cannot remove its children's attach sockets; the children are gone now, so do it.
-    from gigashuffle.errors import GigashuffleError
-    from gigashuffle.host.rundir import attach_socket_path, remove_socket
+    from gigashuffle.host.rundir import attach_socket_path, remove_socket, runtime_dir_path
 
+    directory = runtime_dir_path()  # not made again if it is gone: nothing is left in it to remove
     try:
         for pid in children:
-            remove_socket(attach_socket_path(pid))
-    except (OSError, GigashuffleError) as exc:
+            remove_socket(attach_socket_path(pid, directory))
+    except OSError as exc:
         log.debug("could not remove the attach sockets of %s: %s", sorted(children), exc)
 
 
@@ -125,9 +125,9 @@ def _remove_dead_trainer_sockets(trainer_pid: int) -> None:
     """The attach sockets a SIGKILLed trainer left (NOTE [ The trainer holds the buffer ] in trainer/nodetable.py):
     those of its pid that no server answers on. A trainer that closed this loader normally removed its own, and one
     that lives on (another loader of it still serves) answers."""
-    from gigashuffle.host.rundir import remove_socket, trainer_sockets
+    from gigashuffle.host.rundir import remove_socket, runtime_dir_path, trainer_sockets
 
-    for path in trainer_sockets(trainer_pid):
+    for path in trainer_sockets(trainer_pid, runtime_dir_path()):  # none when the directory is gone
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))

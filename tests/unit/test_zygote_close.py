@@ -9,11 +9,13 @@ the process that parked it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -96,6 +98,18 @@ def test_a_zygote_that_must_be_killed_is_not_vouched_for(monkeypatch: pytest.Mon
     assert zygote.close() is False
     assert not pid_alive(zygote.pid)
     assert parked_zygote_pid() is None
+
+
+def test_an_ending_zygote_does_not_make_a_removed_runtime_directory_again(runtime_dir: Path) -> None:
+    """Its last act removes sockets its trainer and children left in the runtime directory. That cleanup made the
+    directory again when it was gone (every test's own directory, removed at its teardown, came back empty once the
+    process's parked zygote ended: dozens per suite run, left in /tmp)."""
+    zygote = Zygote(TITLE)
+    assert zygote.close() is True and parked_zygote_pid() == zygote.pid
+    shutil.rmtree(runtime_dir)
+    zygotereuse.PARKING.end_parked()
+    assert _gone(zygote.pid)
+    assert not runtime_dir.exists(), "the zygote's cleanup made the runtime directory again"
 
 
 def test_a_forked_copy_of_the_trainer_neither_releases_nor_ends_the_zygote() -> None:
