@@ -5,12 +5,13 @@ inherited batches are views of (NOTE [ Forks of the trainer ] in trainer/forks.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import pickle
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,13 @@ def _ids_sum(batches: list[Any]) -> int:
     return sum(int(batch[0]["id"].sum()) for batch in batches)
 
 
-def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node_buffer(
-    redis_url: str, runtime_dir: Path
-) -> None:
+@contextlib.contextmanager
+def _loader_with_its_buffer_mapped(
+    redis_url: str,
+) -> Iterator[tuple[MultiprocessShuffledDataloader, Iterator[Any], list[Any], set[tuple[str, int]]]]:
+    """A 1+1 loader that saves rows at a checkpoint, its iterator, 3 batches taken and kept (views of its reader's
+    ring), and its memfds as (kind, inode), told from what the process held before. After its ``state_dict()`` the
+    trainer has the whole buffer mapped (the rank that copies rows does), and it holds fds of the buffer and table."""
     config = DataloaderConfig(
         bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
         redis_url=redis_url, checkpoint_rows="saved",
@@ -70,11 +75,18 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
     before = {(kind, inode) for kind, inode, _how in _node_memory(os.getpid())}
     with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
         it = iter(loader)
-        kept = take(it, 3)  # held across the fork: views of this rank's reader ring
-        loader.state_dict()  # the rank that copies rows at a checkpoint has the whole buffer mapped from now on
+        kept = take(it, 3)
+        loader.state_dict()
         held = _node_memory(os.getpid())
-        files = {(kind, inode) for kind, inode, _how in held} - before  # this loader's
+        files = {(kind, inode) for kind, inode, _how in held} - before
         assert {("buffer", "mapped"), ("buffer", "fd"), ("slots", "fd")} <= _of_files(held, files), held
+        yield loader, it, kept, files
+
+
+def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node_buffer(
+    redis_url: str, runtime_dir: Path
+) -> None:
+    with _loader_with_its_buffer_mapped(redis_url) as (loader, it, kept, files):
         processes = loader.child_pids()
         for copy_of in (pickle.dumps, copy.copy):
             with pytest.raises(TypeError, match=r"cannot be pickled or copied.*DataloaderConfig"):
@@ -142,20 +154,9 @@ def test_dataloader_workers_forked_beside_a_loader_hold_none_of_its_node_buffer(
 ) -> None:
     """The common fork: a validation DataLoader's workers, persistent, started while the training loader is open.
     Each was a copy of the trainer, with the buffer's fds and mapping: its memory outlived the loader for the run."""
-    config = DataloaderConfig(
-        bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
-        redis_url=redis_url, checkpoint_rows="saved",
-    )  # fmt: skip
-    before = {(kind, inode) for kind, inode, _how in _node_memory(os.getpid())}
-    with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
-        it = iter(loader)
-        take(it, 3)
-        loader.state_dict()
-        held = _node_memory(os.getpid())
-        files = {(kind, inode) for kind, inode, _how in held if kind != "ring"} - before
-        assert ("buffer", "mapped") in _of_files(held, files), "the trainer maps no buffer: nothing to check"
+    with _loader_with_its_buffer_mapped(redis_url) as (_loader, it, _kept, files):
         validation = DataLoader(
-            _NodeMemoryOfWorker(files),
+            _NodeMemoryOfWorker({(kind, inode) for kind, inode in files if kind != "ring"}),
             num_workers=2,
             persistent_workers=True,
             timeout=60,
