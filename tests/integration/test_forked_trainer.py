@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import leaks
 import pytest
 import torch
 from datasets import PassIds, take
@@ -26,22 +27,18 @@ from gigashuffle import DataloaderConfig, GigashuffleError, MultiprocessShuffled
 FORK_REFUSAL = "is a fork of it"
 
 
-def _node_memory(pid: int) -> set[tuple[str, int, str]]:
-    """The gigashuffle memfds ``pid`` holds, as (kind, inode, how): kind ``buffer``, ``slots`` or ``ring``, how
+def _node_memory() -> set[tuple[str, int, str]]:
+    """The gigashuffle memfds this process holds, as (kind, inode, how): kind ``buffer``, ``slots`` or ``ring``, how
     ``mapped`` or ``fd``. Inodes tell this test's loader from what earlier tests of the process left."""
     held: set[tuple[str, int, str]] = set()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+    for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         kind = _kind(fields[5] if len(fields) == 6 else "")
         if kind:
             held.add((kind, int(fields[4]), "mapped"))
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            kind, inode = _kind(os.readlink(f"/proc/{pid}/fd/{fd}")), os.stat(f"/proc/{pid}/fd/{fd}").st_ino
-        except OSError:  # the listing's own fd, closed already
-            continue
-        if kind:
-            held.add((kind, inode, "fd"))
+    for fd, target in leaks.open_fds():
+        if kind := _kind(target):
+            held.add((kind, os.fstat(fd).st_ino, "fd"))
     return held
 
 
@@ -72,12 +69,12 @@ def _loader_with_its_buffer_mapped(
         bs=8, shuffle_size=256, queue_name=f"fork-{uuid.uuid4().hex[:8]}", num_writers=1, num_readers=1,
         redis_url=redis_url, checkpoint_rows="saved",
     )  # fmt: skip
-    before = {(kind, inode) for kind, inode, _how in _node_memory(os.getpid())}
+    before = {(kind, inode) for kind, inode, _how in _node_memory()}
     with MultiprocessShuffledDataloader(PassIds(4000, 40), config) as loader:
         it = iter(loader)
         kept = take(it, 3)
         loader.state_dict()
-        held = _node_memory(os.getpid())
+        held = _node_memory()
         files = {(kind, inode) for kind, inode, _how in held} - before
         assert {("buffer", "mapped"), ("buffer", "fd"), ("slots", "fd")} <= _of_files(held, files), held
         yield loader, it, kept, files
@@ -95,7 +92,7 @@ def test_a_fork_of_the_trainer_leaves_the_loader_to_its_parent_and_holds_no_node
 
         def in_the_fork() -> int:
             os.close(report_r)
-            memory = sorted(_of_files(_node_memory(os.getpid()), files))
+            memory = sorted(_of_files(_node_memory(), files))
             report: dict[str, Any] = {"memory": memory, "kept": _ids_sum(kept), "refused": []}
             uses: list[tuple[str, Callable[[], Any]]] = [
                 ("next", lambda: next(it)),
@@ -145,7 +142,7 @@ class _NodeMemoryOfWorker(Dataset):  # type: ignore[type-arg]
         return 4
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        held = _node_memory(os.getpid())
+        held = _node_memory()
         return torch.tensor(len([1 for kind, inode, _how in held if (kind, inode) in self.files]))
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import leaks
 import numpy as np
 import pytest
 import torch
@@ -123,11 +123,7 @@ def test_shared_memory_collected_without_close_releases_its_fd() -> None:
     of the process: the unit suite used to end with 53 slot tables' and 17 rings' fds still open in its process."""
 
     def open_memfds() -> int:
-        count = 0
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):  # the listing's own fd, closed by now
-                count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:gigashuffle-collect-test ")
-        return count
+        return sum(target.startswith("/memfd:gigashuffle-collect-test ") for _fd, target in leaks.open_fds())
 
     memory = SharedMemory(4096, name="gigashuffle-collect-test")
     view = memory.numpy_view(0, 4096)
@@ -152,10 +148,7 @@ def test_forget_in_a_fork_unmaps_the_memory_even_under_live_views() -> None:
     def in_the_fork() -> int:
         memory.forget()
         maps = Path("/proc/self/maps").read_text().splitlines()
-        fds = []
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):  # the listing's own fd, closed by now
-                fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fds = [target for _fd, target in leaks.open_fds()]
         held = [line for line in maps + fds if "gigashuffle-forget-test" in line]
         reserved = [
             fields[1]
