@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -136,13 +137,33 @@ def readable_package() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+_AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+@functools.cache
+def _python_for_nobody() -> str:
+    """An interpreter (3.11 or newer) that ``nobody`` can run, in isolated mode: the client needs the standard library
+    and the package copy only. The real one first, not a venv's link to it (a venv inside the checkout lies under the
+    same 0700 directory); then the system's, for an interpreter whose shared library lies under a private home
+    (pyenv's 3.12 links libpython from its own tree)."""
+    tried = []
+    for candidate in (sys.executable, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")):
+        if candidate is None:
+            continue
+        python = os.path.realpath(candidate)
+        done = subprocess.run(
+            [*_AS_NOBODY, python, "-I", "-c", "import sys; sys.exit(sys.version_info < (3, 11))"],
+            capture_output=True, text=True, timeout=60, cwd="/", check=False,
+        )  # fmt: skip
+        if done.returncode == 0:
+            return python
+        tried.append(f"{python}: exit {done.returncode} {done.stderr.strip()[-200:]}")
+    pytest.skip(f"no Python 3.11+ that uid nobody can run here ({'; '.join(tried)})")
+
+
 def _as_nobody(path: str, package: str) -> dict[str, Any]:
-    # The real interpreter, not a venv's link to it (a venv inside the checkout lies under the same 0700
-    # directory), in isolated mode: the client needs the standard library and the package copy only.
-    python = os.path.realpath(sys.executable)
     done = subprocess.run(
-        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python, "-I", "-c", _NOBODY_CLIENT,
-         path, package],
+        [*_AS_NOBODY, _python_for_nobody(), "-I", "-c", _NOBODY_CLIENT, path, package],
         capture_output=True, text=True, timeout=60, cwd="/", check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -83,7 +83,10 @@ class Injector:
 
     def trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "call" and frame.f_code in TRACED:
+            # Both, for every version: 3.13 sends no opcode events to a frame whose f_trace is not set yet, 3.12 none
+            # unless a frame below asked for them too (_run_interrupted's).
             frame.f_trace_opcodes = True
+            frame.f_trace = self.local
             return self.local
         return None
 
@@ -101,6 +104,8 @@ class Injector:
 def _run_interrupted(n: int, step: Callable[[], object]) -> tuple[str | None, bool]:
     injector = Injector(n)
     interrupted = False
+    here = sys._getframe()
+    here.f_trace_opcodes = True  # Python 3.12 turns opcode events on only then (see Injector.trace)
     sys.settrace(injector.trace)
     try:
         step()
@@ -108,6 +113,7 @@ def _run_interrupted(n: int, step: Callable[[], object]) -> tuple[str | None, bo
         interrupted = True
     finally:
         sys.settrace(None)
+        here.f_trace_opcodes = False
     return injector.fired_in, interrupted
 
 
