@@ -19,6 +19,7 @@ from gigashuffle.control.keys import QueueKeys
 from gigashuffle.control.plane import ControlPlane
 from gigashuffle.control.signedmeta import same_buffer, signed_meta, unsigned_fields, verified_layout
 from gigashuffle.errors import GigashuffleError, QueueStateLostError
+from gigashuffle.host.memory import refuse_a_buffer_too_large
 from gigashuffle.host.rundir import attach_socket_path
 from gigashuffle.host.secret import node_secret
 from gigashuffle.procs import failpoints
@@ -36,7 +37,7 @@ from gigashuffle.procs.forgottenbuffer import (
 from gigashuffle.procs.messages import BufferOffer
 from gigashuffle.procs.nodefds import fetch_node_fds
 from gigashuffle.schema import Layout
-from gigashuffle.shm.buffer import SharedMemory, SlotBuffer
+from gigashuffle.shm.buffer import SharedMemory, SlotBuffer, buffer_nbytes
 from gigashuffle.shm.slottable import SlotTable, table_nbytes
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,11 @@ class ChildEnv:
     def publish_buffer(self, layout: Layout, first_row: bytes) -> bool:
         """Allocate the buffer and its slot table and publish them, unless another process got there first; True
         if we own them."""
-        buffer = SlotBuffer(layout, self.config.shuffle_size)
-        table = SlotTable(self.config.shuffle_size, stripes=self.config.lock_stripes)
+        cfg = self.config
+        need = buffer_nbytes(layout, cfg.shuffle_size) + table_nbytes(cfg.shuffle_size, cfg.lock_stripes)
+        refuse_a_buffer_too_large(need, cfg.shuffle_size, layout.row_bytes, cfg.queue_name)
+        buffer = SlotBuffer(layout, cfg.shuffle_size)
+        table = SlotTable(cfg.shuffle_size, stripes=cfg.lock_stripes)
         fields = {
             "layout": layout.to_json().encode(),
             "slots": str(self.config.shuffle_size).encode(),

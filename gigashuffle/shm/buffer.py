@@ -24,6 +24,12 @@ def _as_numpy(rows: torch.Tensor | npt.NDArray[Any]) -> npt.NDArray[Any]:
     return rows.numpy() if isinstance(rows, torch.Tensor) else rows
 
 
+def buffer_nbytes(layout: Layout, slots: int) -> int:
+    """The bytes of a node buffer of ``slots`` rows of ``layout`` (before it is made: NOTE [ A buffer the node
+    cannot hold ] in host/memory.py)."""
+    return _field_offsets(layout, slots)[1]
+
+
 class SlotBuffer:
     """The node-wide buffer: ``slots`` rows of ``layout``, one byte region per field."""
 
@@ -89,6 +95,7 @@ __all__ = [
     "SharedMemory",
     "SlotBuffer",
     "SlotIdArray",
+    "buffer_nbytes",
     "handed_out",
     "reclaim",
     "ring_depth_for",

@@ -323,6 +323,19 @@ class Counter(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": counter + wid * ID_STRIDE, "counter": counter}]
 
 
+class WideRows(IterableDataset):  # type: ignore[type-arg]
+    """Rows of ``row_bytes`` zero bytes and an ``id``, two a chunk: a node buffer of few slots and many bytes."""
+
+    def __init__(self, row_bytes: int) -> None:
+        self.row_bytes = row_bytes
+
+    def __iter__(self) -> Iterator[Chunk]:
+        start = 0
+        while True:
+            yield [{"id": torch.arange(start, start + 2), "x": torch.zeros(2, self.row_bytes, dtype=torch.uint8)}]
+            start += 2
+
+
 class PassIds(IterableDataset):  # type: ignore[type-arg]
     """``ids`` rows per writer per pass: ``id = worker * ID_STRIDE + i`` and ``pass``; the state is
     ``{"pass", "pos", "late_s"}``. A writer whose loaded state has ``late_s`` > 0 sleeps that long before its next
