@@ -107,12 +107,12 @@ def _take(
         _warn_inexact(config)
     copy_buffer = config.local_rank == 0
     by_positions = pause and config.checkpoint_rows == "positions"
-    # Before the pause: the buffer mapped, the arrays for the rows allocated and faulted in (checkpoint/savedrows.py;
-    # a cut by positions saves few rows: none ahead).
-    saved = SavedRows(sup, copy_buffer=copy_buffer, ahead=not by_positions) if pause else None
+    barrier = _barrier(sup, config) if pause else None
+    # Before the pause: the buffer mapped, the rows' arrays made and faulted in (savedrows.py; by positions: none).
+    prepare = SavedRows.before_the_pause
+    saved = prepare(sup, barrier, number, copy_buffer=copy_buffer, ahead=not by_positions) if pause else None
     started = time.monotonic()  # the pause starts here
     cuts.begin(pause)
-    barrier = _barrier(sup, config) if pause else None
     readers = _ReaderPause(sup, cuts, config, number)
     marks: list[tuple[str, float]] = []
     copied = False  # past its copy this rank may be at COPIED for the node's others: it never gives the cut up then

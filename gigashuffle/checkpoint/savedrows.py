@@ -23,6 +23,9 @@ import numpy.typing as npt
 import torch
 
 from gigashuffle.checkpoint.positions import Coverage
+from gigashuffle.control.cutbarrier import NodeBarrier
+from gigashuffle.errors import CheckpointError
+from gigashuffle.host import memory
 from gigashuffle.procs import failpoints
 from gigashuffle.procs.messages import DatasetState
 from gigashuffle.procs.zygoteclient import ChildProcess
@@ -70,9 +73,23 @@ class SavedRows:
             if rows <= (len(self._arrays[0]) if self._arrays else 0):
                 break
             self._arrays = []  # freed first: the new arrays take its pages, already backed
+            _refuse_beyond_memory(rows, layout, sup)
             self._arrays = [np.empty((rows, spec.row_bytes), dtype=np.uint8) for spec in layout.fields]
             for array in self._arrays:
                 fault_in_for_write(array)
+
+    @classmethod
+    def before_the_pause(
+        cls, sup: Supervisor, barrier: NodeBarrier | None, number: int, *, copy_buffer: bool, ahead: bool
+    ) -> SavedRows:
+        """``SavedRows(...)`` for checkpoint ``number``; if that fails (no memory for the copy), the node's other
+        ranks at its barriers fail at once, not after ``WAIT_S`` (NOTE [ Node cut ] in control/cutbarrier.py)."""
+        try:
+            return cls(sup, copy_buffer=copy_buffer, ahead=ahead)
+        except BaseException:
+            if barrier is not None:
+                barrier.give_up(number)
+            raise
 
     def list_rows(
         self,
@@ -129,6 +146,21 @@ class SavedRows:
         for array, width in zip(prepared, widths, strict=True):
             array.resize((total, width), refcheck=False)  # a shrink: nothing else refers to it, no byte is copied
         return prepared
+
+
+def _refuse_beyond_memory(rows: int, layout: Layout, sup: Supervisor) -> None:
+    """A copy of ``rows`` rows larger than the memory available would get this trainer OOM-killed in the cut: fail
+    the checkpoint before the pause instead (NOTE [ A buffer the node cannot hold ] in host/memory.py)."""
+    need, found = rows * layout.row_bytes, memory.available()
+    if found is None or need <= found[0]:
+        return
+    cfg = sup.config
+    raise CheckpointError(
+        f"state_dict() on queue {cfg.queue_name!r} rank {cfg.global_rank}: checkpoint_rows='saved' copies the "
+        f"buffer's full rows into this process, about {rows} rows of {layout.row_bytes} B ({need / 2**30:.2f} "
+        f"GiB), and {found[1]} leaves {found[0] / 2**30:.2f} GiB; nothing was saved and the loader goes on. Use "
+        "checkpoint_rows='positions' (it saves where rows came from, not the rows), or a smaller shuffle_size"
+    )
 
 
 @dataclass(frozen=True)

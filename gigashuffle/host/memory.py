@@ -11,6 +11,11 @@ cache) and refuses a buffer larger than that with a ``ValueError`` that names ``
 the figures; above ``WARN_SHARE`` of it, it warns. Swap does not count: a buffer read at random from swap delivers
 a few thousand rows a second. The figure is a snapshot (other jobs may take memory later) and a lower bound where
 memory could be reclaimed that ``MemAvailable`` does not count.
+A checkpoint of the saved-rows way copies the buffer's full rows into local rank 0's trainer: arrays as large as
+the full part of the buffer, made before the pause (checkpoint/savedrows.py). A copy larger than ``available()``
+then got the trainer OOM-killed in ``state_dict()`` (a memory cgroup's OOM kill, SIGKILL, in
+tests/integration/test_buffer_memory.py without the check); it now fails that checkpoint with a
+``CheckpointError`` before the pause, saying to checkpoint by positions, and the loader goes on.
 """
 
 from __future__ import annotations
@@ -66,9 +71,7 @@ def _lines(path: Path) -> list[str]:
 
 
 def _cgroup_dirs(root: Path) -> list[tuple[Path, int]]:
-    """This process's memory cgroup directories, innermost first, with their version. A container sees its own
-    cgroup at the mount's root (cgroup namespaces), so a path that does not exist under the mount falls back to
-    the mount's root."""
+    """This process's memory cgroup directories, innermost first up to the mount's root, with their version."""
     found: list[tuple[Path, int]] = []
     for line in _lines(root / "proc/self/cgroup"):
         number, controllers, path = line.split(":", 2)
@@ -78,9 +81,12 @@ def _cgroup_dirs(root: Path) -> list[tuple[Path, int]]:
             mount, version = root / "sys/fs/cgroup/memory", 1
         else:
             continue
-        leaf = mount / path.lstrip("/")
-        if not leaf.is_dir():
-            leaf = mount
+        # Without a cgroup namespace the path is the host's, and the mount may show a cgroup below its root (a
+        # container's): the longest tail of the path that exists under the mount is this process's cgroup.
+        parts = [p for p in path.split("/") if p]
+        leaf = next(
+            (mount.joinpath(*parts[i:]) for i in range(len(parts)) if mount.joinpath(*parts[i:]).is_dir()), mount
+        )
         while True:
             found.append((leaf, version))
             if leaf == mount:

@@ -328,12 +328,19 @@ class WideRows(IterableDataset):  # type: ignore[type-arg]
 
     def __init__(self, row_bytes: int) -> None:
         self.row_bytes = row_bytes
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = int(state["pos"])
 
     def __iter__(self) -> Iterator[Chunk]:
-        start = 0
         while True:
+            start = self.pos
+            self.pos += 2
             yield [{"id": torch.arange(start, start + 2), "x": torch.zeros(2, self.row_bytes, dtype=torch.uint8)}]
-            start += 2
 
 
 class PassIds(IterableDataset):  # type: ignore[type-arg]

@@ -4,12 +4,18 @@ without the check it was made (a sparse memfd) and failed only once nearly full,
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
-from datasets import WideRows, take
+from datasets import DEADLINE_S, WideRows, take
 
 from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader, WorkerDied
 from gigashuffle.host.memory import WARN_SHARE, available
@@ -58,3 +64,92 @@ def test_a_buffer_near_the_available_memory_is_made_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="gigashuffle.host.memory"):
         refuse_a_buffer_too_large(room // 10, 1000, ROW_BYTES, "q")
     assert not caplog.records
+
+
+_CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def _memory_cgroup_mount() -> tuple[Path, str, str] | None:
+    """Where this root process can make a memory cgroup: (mount, limit file, its "no limit" value)."""
+    if os.geteuid() != 0:
+        return None
+    if (_CGROUP_V1 / "memory.limit_in_bytes").exists():
+        return _CGROUP_V1, "memory.limit_in_bytes", "-1"
+    controllers = _CGROUP_V2 / "cgroup.subtree_control"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        return _CGROUP_V2, "memory.max", "max"
+    return None
+
+
+# The trainer joins the cgroup before it starts its processes, fills a buffer of 64 MiB, then limits the cgroup to
+# its unreclaimable usage plus 24 MiB: the buffer is in, a copy of its rows is not. Prints one JSON line.
+_TRAINER = r"""
+import json, os, sys, time
+from pathlib import Path
+sys.path[:0] = sys.argv[4].split(os.pathsep)
+from datasets import WideRows, take
+from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+group, limit_file, unlimited, redis_url = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[5]
+(group / "cgroup.procs").write_text(str(os.getpid()))
+cfg = DataloaderConfig(bs=4, shuffle_size=256, queue_name=f"cgmem-{os.getpid()}", num_writers=1, num_readers=1,
+                       redis_url=redis_url, min_mixing=1.0)
+out = {}
+with MultiprocessShuffledDataloader(WideRows(1 << 18), cfg) as loader:
+    it = iter(loader)
+    take(it, 8)
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    usage_file = "memory.usage_in_bytes" if limit_file.endswith("in_bytes") else "memory.current"
+    usage = int((group / usage_file).read_text())
+    inactive = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    (group / limit_file).write_text(str(usage - inactive + (24 << 20)))
+    try:
+        loader.state_dict()
+        out["state_dict"] = "saved"
+    except CheckpointError as exc:
+        out["state_dict"] = str(exc)
+    out["after"] = len(take(it, 20))
+    (group / limit_file).write_text(unlimited)
+    out["state_dict_unlimited"] = sorted(loader.state_dict())
+print(json.dumps(out))
+"""
+
+
+def test_a_saved_checkpoint_whose_copy_the_memory_cannot_hold_fails_before_the_pause_and_the_loader_goes_on(
+    redis_url: str,
+) -> None:
+    found = _memory_cgroup_mount()
+    if found is None:
+        pytest.skip("needs root and a memory cgroup mount to limit a trainer's memory")
+    mount, limit_file, unlimited = found
+    group = mount / f"gs-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        here = Path(__file__).parent
+        done = subprocess.run(
+            [sys.executable, "-c", _TRAINER, str(group), limit_file, unlimited,
+             os.pathsep.join([str(here), str(here.parent)]), redis_url],
+            capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert out["state_dict"].startswith("state_dict() on queue"), out
+        assert "checkpoint_rows='saved' copies the buffer's full rows" in out["state_dict"], out
+        assert f"the limit of memory cgroup {group}" in out["state_dict"], out
+        assert out["after"] == 20, out  # the loader delivers on after the refused checkpoint
+        assert out["state_dict_unlimited"] == ["rank0"], out  # and checkpoints again once the memory is there
+    finally:
+        _remove_cgroup(group)
+
+
+def _remove_cgroup(group: Path) -> None:
+    """rmdir once the trainer's processes left it (they exit with the loader's close; the zygote a moment later)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

@@ -49,6 +49,10 @@ def test_a_v1_limit_counts_and_a_path_outside_the_namespace_falls_back_to_the_mo
            memory_usage_in_bytes=f"{2 * GIB}\n", memory_stat=f"total_inactive_file {GIB}\n")  # fmt: skip
     mount = tmp_path / "sys/fs/cgroup/memory"
     assert available(tmp_path) == (2 * GIB, f"the limit of memory cgroup {mount} less its usage")
+    # The longest tail of the path found under the mount is the process's cgroup (a cgroup made inside the container).
+    _write(mount / "the/container", memory_limit_in_bytes=f"{GIB}\n", memory_usage_in_bytes="0\n", memory_stat="")
+    assert available(tmp_path) == (GIB, f"the limit of memory cgroup {mount}/the/container less its usage")
+    (mount / "the/container/memory.limit_in_bytes").write_text("9223372036854771712\n")
     # v1's "no limit" is a page-rounded 2**63 - 1.
     (tmp_path / "sys/fs/cgroup/memory/memory.limit_in_bytes").write_text("9223372036854771712\n")
     assert available(tmp_path) == (64 * GIB, "the host's MemAvailable")
