@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from datasets import DEADLINE_S, WideRows, take
@@ -118,6 +119,52 @@ print(json.dumps(out))
 def test_a_saved_checkpoint_whose_copy_the_memory_cannot_hold_fails_before_the_pause_and_the_loader_goes_on(
     redis_url: str,
 ) -> None:
+    out = _in_a_memory_cgroup(_TRAINER, redis_url)
+    assert out["state_dict"].startswith("state_dict() on queue"), out
+    assert "checkpoint_rows='saved' copies the buffer's full rows" in out["state_dict"], out
+    assert f"the limit of memory cgroup {out['group']}" in out["state_dict"], out
+    assert out["after"] == 20, out  # the loader delivers on after the refused checkpoint
+    assert out["state_dict_unlimited"] == ["rank0"], out  # and checkpoints again once the memory is there
+
+
+# The trainer joins the cgroup and limits it to its unreclaimable usage plus 1.5 GiB (room for the loader's
+# processes, forked from a zygote that shares its pages), then asks for a buffer of 2 GiB.
+_BUFFER_TRAINER = r"""
+import json, os, sys
+from pathlib import Path
+sys.path[:0] = sys.argv[4].split(os.pathsep)
+import torch
+from datasets import WideRows, take
+from gigashuffle import DataloaderConfig, MultiprocessShuffledDataloader, WorkerDied
+group, limit_file, unlimited, redis_url = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[5]
+(group / "cgroup.procs").write_text(str(os.getpid()))
+stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+usage_file = "memory.usage_in_bytes" if limit_file.endswith("in_bytes") else "memory.current"
+usage = int((group / usage_file).read_text())
+inactive = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+(group / limit_file).write_text(str(usage - inactive + (3 << 29)))
+cfg = DataloaderConfig(bs=2, shuffle_size=2048, queue_name=f"cgbuf-{os.getpid()}", num_writers=1, num_readers=1,
+                       redis_url=redis_url, min_mixing=1.0)
+out = {}
+with MultiprocessShuffledDataloader(WideRows(1 << 20), cfg) as loader:
+    try:
+        take(iter(loader), 1)
+        out["error"] = None
+    except WorkerDied as exc:
+        out["error"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_a_buffer_larger_than_its_memory_cgroup_allows_is_refused_naming_the_cgroup(redis_url: str) -> None:
+    out = _in_a_memory_cgroup(_BUFFER_TRAINER, redis_url)
+    assert out["error"] is not None, out
+    assert "DataloaderConfig.shuffle_size=2048 is too large for this node" in out["error"], out
+    assert "the limit of memory cgroup" in out["error"], out
+
+
+def _in_a_memory_cgroup(script: str, redis_url: str) -> dict[str, Any]:
+    """Run ``script`` as a trainer in a memory cgroup of its own; its last stdout line, as JSON."""
     found = _memory_cgroup_mount()
     if found is None:
         pytest.skip("needs root and a memory cgroup mount to limit a trainer's memory")
@@ -127,17 +174,14 @@ def test_a_saved_checkpoint_whose_copy_the_memory_cannot_hold_fails_before_the_p
     try:
         here = Path(__file__).parent
         done = subprocess.run(
-            [sys.executable, "-c", _TRAINER, str(group), limit_file, unlimited,
+            [sys.executable, "-c", script, str(group), limit_file, unlimited,
              os.pathsep.join([str(here), str(here.parent)]), redis_url],
             capture_output=True, text=True, timeout=DEADLINE_S, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        out = json.loads(done.stdout.strip().splitlines()[-1])
-        assert out["state_dict"].startswith("state_dict() on queue"), out
-        assert "checkpoint_rows='saved' copies the buffer's full rows" in out["state_dict"], out
-        assert f"the limit of memory cgroup {group}" in out["state_dict"], out
-        assert out["after"] == 20, out  # the loader delivers on after the refused checkpoint
-        assert out["state_dict_unlimited"] == ["rank0"], out  # and checkpoints again once the memory is there
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        result["group"] = str(group)
+        return result
     finally:
         _remove_cgroup(group)
 
