@@ -6,8 +6,8 @@ made. One larger than the memory the node can give never fails at allocation: it
 buffer is nearly full, as an OOM kill of whichever process the kernel picks (often the trainer, the largest) or,
 with swap, as a loader that slows to the disk's pace. So the writer that allocates the buffer first compares its
 size with the memory available now (``available()``: the host's ``MemAvailable``, and for every memory cgroup of
-this process up to the root, its limit less its usage that cannot be reclaimed, that is less its inactive page
-cache) and refuses a buffer larger than that with a ``ValueError`` that names ``shuffle_size``, the row size and
+this process up to the root, its limit less its usage that cannot be reclaimed, that is less its page cache)
+and refuses a buffer larger than that with a ``ValueError`` that names ``shuffle_size``, the row size and
 the figures; above ``WARN_SHARE`` of it, it warns. Swap does not count: a buffer read at random from swap delivers
 a few thousand rows a second. The figure is a snapshot (other jobs may take memory later) and a lower bound where
 memory could be reclaimed that ``MemAvailable`` does not count.
@@ -99,13 +99,15 @@ def _cgroup_room(directory: Path, version: int) -> int | None:
     """A cgroup's limit less its usage that cannot be reclaimed; None without a limit."""
     if version == 2:
         limit, usage = _read_int(directory / "memory.max"), _read_int(directory / "memory.current")
-        inactive = _stat(directory / "memory.stat").get("inactive_file", 0)
+        stat, prefix = _stat(directory / "memory.stat"), ""
     else:
         limit, usage = _read_int(directory / "memory.limit_in_bytes"), _read_int(directory / "memory.usage_in_bytes")
-        inactive = _stat(directory / "memory.stat").get("total_inactive_file", 0)
+        stat, prefix = _stat(directory / "memory.stat"), "total_"
     if limit is None:
         return None
-    return max(0, limit - max(0, (usage or 0) - inactive))
+    # Page cache is reclaimable, active or not; shared memory (the buffers) counts as anon, not file.
+    cache = stat.get(f"{prefix}active_file", 0) + stat.get(f"{prefix}inactive_file", 0)
+    return max(0, limit - max(0, (usage or 0) - cache))
 
 
 def available(root: Path = Path("/")) -> tuple[int, str] | None:

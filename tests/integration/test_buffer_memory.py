@@ -102,8 +102,9 @@ with MultiprocessShuffledDataloader(WideRows(1 << 18), cfg) as loader:
     stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
     usage_file = "memory.usage_in_bytes" if limit_file.endswith("in_bytes") else "memory.current"
     usage = int((group / usage_file).read_text())
-    inactive = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
-    (group / limit_file).write_text(str(usage - inactive + (24 << 20)))
+    prefix = "total_" if "total_inactive_file" in stat else ""
+    cache = int(stat.get(prefix + "active_file", 0)) + int(stat.get(prefix + "inactive_file", 0))
+    (group / limit_file).write_text(str(usage - cache + (24 << 20)))
     try:
         loader.state_dict()
         out["state_dict"] = "saved"
@@ -141,8 +142,9 @@ group, limit_file, unlimited, redis_url = Path(sys.argv[1]), sys.argv[2], sys.ar
 stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
 usage_file = "memory.usage_in_bytes" if limit_file.endswith("in_bytes") else "memory.current"
 usage = int((group / usage_file).read_text())
-inactive = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
-(group / limit_file).write_text(str(usage - inactive + (3 << 29)))
+prefix = "total_" if "total_inactive_file" in stat else ""
+cache = int(stat.get(prefix + "active_file", 0)) + int(stat.get(prefix + "inactive_file", 0))
+(group / limit_file).write_text(str(usage - cache + (3 << 29)))
 cfg = DataloaderConfig(bs=2, shuffle_size=2048, queue_name=f"cgbuf-{os.getpid()}", num_writers=1, num_readers=1,
                        redis_url=redis_url, min_mixing=1.0)
 out = {}

@@ -31,9 +31,10 @@ def test_without_a_cgroup_limit_the_host_figure_bounds(tmp_path: Path) -> None:
 def test_a_v2_limit_less_its_unreclaimable_usage_bounds_and_an_ancestor_counts(tmp_path: Path) -> None:
     _host(tmp_path, 64 * GIB // 1024, "0::/pod/job\n")
     cgroups = tmp_path / "sys/fs/cgroup"
-    # The job's own limit leaves 10 - (4 - 1) = 7 GiB (1 GiB of its usage is inactive page cache) ...
-    _write(cgroups / "pod/job", memory_max=f"{10 * GIB}\n", memory_current=f"{4 * GIB}\n",
-           memory_stat=f"anon {3 * GIB}\ninactive_file {GIB}\n")  # fmt: skip
+    # The job's own limit leaves 10 - (5 - 2) = 7 GiB (2 GiB of its usage is page cache, active or not; shared
+    # memory counts as anon) ...
+    _write(cgroups / "pod/job", memory_max=f"{10 * GIB}\n", memory_current=f"{5 * GIB}\n",
+           memory_stat=f"anon {3 * GIB}\nactive_file {GIB}\ninactive_file {GIB}\nshmem {GIB}\n")  # fmt: skip
     room, bound = available(tmp_path) or (0, "")
     assert room == 7 * GIB and bound.endswith("pod/job less its usage"), (room, bound)
     # ... and a pod limit above it that leaves less wins.
