@@ -13,6 +13,7 @@ import pytest
 from datasets import Counter, take
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader
+from gigashuffle.checkpoint import savedrows
 from gigashuffle.control import cutbarrier
 from gigashuffle.control.client import connect
 from gigashuffle.control.cutbarrier import COPIED, LISTED, PAUSED, NodeBarrier
@@ -131,6 +132,29 @@ def test_a_rank_whose_checkpoint_failed_fails_the_others_at_once(
             rank1.state_dict()
         with pytest.raises(CheckpointError, match=r"checkpoint 1 cannot complete: global ranks \[1\] of this node"):
             rank0.state_dict()
+        assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
+
+
+def test_a_copy_refused_before_the_pause_fails_the_other_ranks_cut_at_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local rank 0 (it copies the buffer's rows) finds no memory for the copy (NOTE [ A buffer the node cannot hold ]
+    in host/memory.py): its state_dict() raises before the pause and gives the cut up, so rank 1's call of the same
+    checkpoint fails at its first barrier naming rank 0, not after WAIT_S (short here, so that a missing give-up
+    shows as the other message). Both loaders read on."""
+    monkeypatch.setattr(cutbarrier, "WAIT_S", 1.0)
+    refused = "no memory for the copy, made to fail here"
+
+    def refuse_on_local_rank_0(rows: int, layout: Any, sup: Any) -> None:
+        if sup.config.local_rank == 0:
+            raise CheckpointError(refused)
+
+    monkeypatch.setattr(savedrows, "_refuse_beyond_memory", refuse_on_local_rank_0)
+    with _node_of_two(redis_url) as (rank0, rank1, it0, it1):
+        with pytest.raises(CheckpointError, match=refused):
+            rank0.state_dict()
+        with pytest.raises(CheckpointError, match=r"checkpoint 1 cannot complete: global ranks \[0\] of this node"):
+            rank1.state_dict()
         assert len(take(it0, 3)) == 3 and len(take(it1, 3)) == 3
 
 
