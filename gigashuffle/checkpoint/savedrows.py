@@ -157,8 +157,8 @@ def _refuse_beyond_memory(rows: int, layout: Layout, sup: Supervisor) -> None:
     cfg = sup.config
     raise CheckpointError(
         f"state_dict() on queue {cfg.queue_name!r} rank {cfg.global_rank}: checkpoint_rows='saved' copies the "
-        f"buffer's full rows into this process, about {rows} rows of {layout.row_bytes} B ({need / 2**30:.2f} "
-        f"GiB), and {found[1]} leaves {found[0] / 2**30:.2f} GiB; nothing was saved and the loader goes on. Use "
+        f"buffer's full rows into this process, about {rows} rows of {layout.row_bytes} B ({memory.gib(need)}), "
+        f"and {found[1]} leaves {memory.gib(found[0])}; nothing was saved and the loader goes on. Use "
         "checkpoint_rows='positions' (it saves where rows came from, not the rows), or a smaller shuffle_size"
     )
 

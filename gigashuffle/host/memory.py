@@ -29,31 +29,25 @@ WARN_SHARE = 0.8
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; v2 as "max"
 
 
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except (OSError, ValueError):
+    """A limit or usage file's value; None for none ("max", v1's huge value, a missing file)."""
+    text = "".join(_lines(path)).strip()
+    if not text.isdigit():
         return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
+    value = int(text)
     return None if value >= _UNLIMITED else value
 
 
 def _stat(path: Path) -> dict[str, int]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return {}
-    found = {}
-    for line in lines:
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            found[key] = int(value)
-    return found
+    pairs = (line.partition(" ") for line in _lines(path))
+    return {key: int(value) for key, _, value in pairs if value.strip().isdigit()}
 
 
 def _mem_available(root: Path) -> int | None:
@@ -61,13 +55,6 @@ def _mem_available(root: Path) -> int | None:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return None
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except OSError:
-        return []
 
 
 def _cgroup_dirs(root: Path) -> list[tuple[Path, int]]:
@@ -124,7 +111,8 @@ def available(root: Path = Path("/")) -> tuple[int, str] | None:
     return best
 
 
-def _gib(nbytes: int) -> str:
+def gib(nbytes: int) -> str:
+    """``nbytes`` as the messages give it."""
     return f"{nbytes / 2**30:.2f} GiB"
 
 
@@ -139,8 +127,8 @@ def refuse_a_buffer_too_large(nbytes: int, shuffle_size: int, row_bytes: int, qu
         fits = int(shuffle_size * room / nbytes)
         raise ValueError(
             f"DataloaderConfig.shuffle_size={shuffle_size} is too large for this node: the buffer of queue "
-            f"{queue!r} ({shuffle_size} rows of {row_bytes} B, with its slot table) needs {_gib(nbytes)}, and "
-            f"{bound} leaves {_gib(room)}; once full it would get processes OOM-killed, or swap. Use "
+            f"{queue!r} ({shuffle_size} rows of {row_bytes} B, with its slot table) needs {gib(nbytes)}, and "
+            f"{bound} leaves {gib(room)}; once full it would get processes OOM-killed, or swap. Use "
             f"shuffle_size <= {fits}, or free memory on the node"
         )
     if nbytes > WARN_SHARE * room:
@@ -148,5 +136,5 @@ def refuse_a_buffer_too_large(nbytes: int, shuffle_size: int, row_bytes: int, qu
             "queue %r: the node buffer (shuffle_size=%d rows of %d B with its slot table: %s) takes %.0f%% of the "
             "memory available now (%s, %s); the trainers and a checkpoint's copy of the buffer's rows (the default "
             "checkpoint_rows='saved') need memory too",
-            queue, shuffle_size, row_bytes, _gib(nbytes), 100 * nbytes / room, _gib(room), bound,
+            queue, shuffle_size, row_bytes, gib(nbytes), 100 * nbytes / room, gib(room), bound,
         )  # fmt: skip
