@@ -323,24 +323,18 @@ class Counter(IterableDataset):  # type: ignore[type-arg]
             yield [{"id": counter + wid * ID_STRIDE, "counter": counter}]
 
 
-class WideRows(IterableDataset):  # type: ignore[type-arg]
-    """Rows of ``row_bytes`` zero bytes and an ``id``, two a chunk: a node buffer of few slots and many bytes."""
+class WideRows(Counter):
+    """``Counter``'s rows, two a chunk, with ``x``: ``row_bytes`` zero bytes a row (a buffer of few slots and many
+    bytes)."""
 
     def __init__(self, row_bytes: int) -> None:
+        super().__init__(chunk=2)
         self.row_bytes = row_bytes
-        self.pos = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pos = int(state["pos"])
 
     def __iter__(self) -> Iterator[Chunk]:
-        while True:
-            start = self.pos
-            self.pos += 2
-            yield [{"id": torch.arange(start, start + 2), "x": torch.zeros(2, self.row_bytes, dtype=torch.uint8)}]
+        for chunk in super().__iter__():
+            chunk[0]["x"] = torch.zeros(self.chunk, self.row_bytes, dtype=torch.uint8)
+            yield chunk
 
 
 class PassIds(IterableDataset):  # type: ignore[type-arg]
