@@ -126,7 +126,7 @@ class MultiprocessShuffledDataloader(CheckpointMethods, ProcessMethods):
         self._check_open()
         if self._dummy is None:
             self._dummy = dummyrow.await_row(
-                self._sup.session.store, self._secret, self.config, self._sup.pump, timeout_s
+                self._sup.session.store, self._secret, self.config, self._batches.pump_before_rows, timeout_s
             )
         return self._batches.shape(self._placement.place(dummyrow.batch_of(*self._dummy, self.config.bs)))
 

@@ -6,7 +6,9 @@ webdataset's ``split_by_worker``) gives a writer nothing when it has fewer shard
 pass ends at once. After ``writer_max_retries`` such passes in a row the writer idles on its channel (no busy
 loop, still answering ``state_dict``), and tries its dataset again after ``load_state_dict`` or a new training
 context; it is not a failure. Only if no writer of the node publishes the buffer within a grace period is the
-node's data empty, which is an error. Chunks with zero rows still count towards ``writer_max_retries`` and fail.
+node's data empty, which is an error. A trainer waiting for its first batch does not wait that out: once every writer
+of the node has idled so for ``EMPTY_NODE_S`` with no buffer published, its ``next()`` raises a ``SchemaError``
+(``EmptyNode`` in trainer/progress.py). Chunks with zero rows still count towards ``writer_max_retries`` and fail.
 """
 
 from __future__ import annotations

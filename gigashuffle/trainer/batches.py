@@ -31,7 +31,7 @@ import torch
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import GigashuffleError
 from gigashuffle.host.pids import describe_process, is_stopped
-from gigashuffle.procs.firstmix import share, stall_s
+from gigashuffle.procs.firstmix import empty_writers, share, stall_s
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import INDEX_KEY
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 _SLOW_WARNING_S = 60.0
-_STALL_CHECK_S = 0.5  # how often a trainer waiting for its first batch looks for stalled writers
+_STALL_CHECK_S = 0.5  # how often a trainer waiting for its first batch looks for stalled writers and an empty node
 # How often the trainer looks at pending ring releases while it waits for a batch (NOTE [ GPU placement ]).
 _PENDING_PUMP_S = 0.002
 # How long after a pump next() may take batches from the rings without pumping (NOTE [ Batches between pumps ]).
@@ -75,6 +75,8 @@ class Batches:
         wait = config.first_mix_wait_s
         self._stalls = progress.StalledWriters(stall_s(config)) if wait else None
         self._stalls_due = 0.0
+        self._empty_node = progress.EmptyNode(config)  # NOTE [ Empty shares ] in procs/chunks.py
+        self._empty_writers = empty_writers(sup.session)
 
     def check_open(self) -> None:
         if self._sup.closed:
@@ -173,9 +175,11 @@ class Batches:
     def _show_filling(self) -> None:
         if self._first_batch_seen:
             return
-        if self._stalls is not None and time.monotonic() >= self._stalls_due:
+        if time.monotonic() >= self._stalls_due:
             self._stalls_due = time.monotonic() + _STALL_CHECK_S
-            _log_stalled_writers(self._sup, self._stalls)
+            if self._stalls is not None:
+                _log_stalled_writers(self._sup, self._stalls)
+            self._check_empty_node()
         if self._progress is None:
             cfg = self.config
             self._progress = progress.FillProgress(
@@ -185,6 +189,17 @@ class Batches:
                 bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
             )
         self._progress.update()
+
+    def pump_before_rows(self) -> None:
+        """A pump of ``get_dummy_batch()``'s wait for the node's first rows, which fails if none can come."""
+        if time.monotonic() >= self._stalls_due:
+            self._stalls_due = time.monotonic() + _STALL_CHECK_S
+            self._check_empty_node()
+        self._sup.pump()
+
+    def _check_empty_node(self) -> None:
+        published = self._sup.table() is not None
+        self._empty_node.check(published, 0 if published else len(self._empty_writers()))
 
     def _filled(self) -> None:
         if self._first_batch_seen:

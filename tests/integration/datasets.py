@@ -523,6 +523,13 @@ class OnlyEmptyChunks(IterableDataset):  # type: ignore[type-arg]
             yield [{"x": torch.empty(0, 3, dtype=torch.float32)}]
 
 
+class NoRows(IterableDataset):  # type: ignore[type-arg]
+    """An ``__iter__`` that ends at once: the dataset of a file list or a glob that matched nothing."""
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(())
+
+
 class UsesIndexKey(IterableDataset):  # type: ignore[type-arg]
     """A first group with a field named like the key the loader reserves for slot indices."""
 

@@ -21,6 +21,7 @@ from datasets import (
     ContextEcho,
     Counter,
     DtypeChangesLater,
+    NoRows,
     OnlyEmptyChunks,
     RaisesInIter,
     UniqueIds,
@@ -40,6 +41,7 @@ from gigashuffle import (
     DataloaderConfig,
     GigashuffleError,
     MultiprocessShuffledDataloader,
+    SchemaError,
     WorkerDied,
 )
 from gigashuffle.schema import Layout
@@ -241,6 +243,22 @@ def test_only_empty_chunks_fail_after_writer_max_retries(redis_url: str) -> None
         err = _next_error(loader)
         assert isinstance(err, WorkerDied), repr(err)
         assert "empty chunks" in str(err) and "writer_max_retries=3" in str(err)
+
+
+def test_a_dataset_without_a_single_row_fails_next_and_get_dummy_batch_instead_of_waiting(redis_url: str) -> None:
+    """NOTE [ Empty shares ]: every writer's __iter__ ends without a chunk (a glob that matched nothing). The writers
+    idle as on an empty share, and their own error would come ``_EMPTY_SHARE_GRACE_S`` (300 s) later as a
+    ``WorkerDied``: the trainer waiting for a batch, or for the dummy batch, sees the node can have no row and raises
+    a ``SchemaError`` itself, ``EMPTY_NODE_S`` into it."""
+    cfg = _config(redis_url, "norows", num_writers=2, writer_max_retries=3)
+    expected = r"every writer of node 'n0' \(2: num_writers=2 x local_world_size=1\) found its share of the dataset "
+    with MultiprocessShuffledDataloader(NoRows(), cfg) as loader:
+        err = _next_error(loader)
+        assert type(err) is SchemaError, repr(err)
+        assert re.search(expected, str(err)) and "writer_max_retries+1=4 times" in str(err), str(err)
+    # get_dummy_batch's timeout_s: the wait would otherwise end with another error.
+    with MultiprocessShuffledDataloader(NoRows(), cfg) as loader, pytest.raises(SchemaError, match=expected):
+        loader.get_dummy_batch(timeout_s=DEADLINE_S)
 
 
 def test_an_unpicklable_dataset_is_refused_at_construction(redis_url: str, runtime_dir: Path) -> None:

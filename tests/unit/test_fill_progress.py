@@ -1,5 +1,5 @@
 """FillProgress with a fake clock and probe: what the lines say, when a bar is drawn, and that without tqdm there are
-still lines; StalledWriters: which late writers a trainer warns of."""
+still lines; StalledWriters: which late writers a trainer warns of; EmptyNode: when a node can have no row."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from types import ModuleType
 
 import pytest
 
+from gigashuffle import DataloaderConfig, SchemaError
 from gigashuffle.trainer import progress
-from gigashuffle.trainer.progress import FillProgress, StalledWriters, format_eta
+from gigashuffle.trainer.progress import EmptyNode, FillProgress, StalledWriters, format_eta
 
 LINE = re.compile(
     r"^queue 'q' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<pct>[\d.]+)%\), "
@@ -203,3 +204,30 @@ def test_only_writers_that_wrote_no_row_for_stall_s_are_stalled_each_once() -> N
     assert late.check({5: None}) == [5], "no row since the wait began: stalled"
     clock.now += 100.0
     assert late.check({5: None}) == [], "warned once"
+
+
+def test_an_empty_node_fails_only_once_every_writer_idled_empty_unpublished_for_empty_node_s() -> None:
+    """NOTE [ Empty shares ]: 2 ranks x 2 writers. Three idle writers, a published buffer, or all four for less than
+    EMPTY_NODE_S are waits that may still end in rows; four idle for EMPTY_NODE_S with nothing published are not."""
+    clock = Clock()
+    cfg = DataloaderConfig(
+        bs=4, shuffle_size=64, num_writers=2, local_world_size=2, global_world_size=2, queue_name="q"
+    )
+    node = EmptyNode(cfg, clock=clock)
+    node.check(False, 3)
+    clock.now += 100.0
+    node.check(False, 3)  # a writer of the node still has rows to come (or has not started)
+    node.check(False, 4)  # the clock starts here
+    clock.now += progress.EMPTY_NODE_S - 0.1
+    node.check(False, 4)
+    node.check(False, 3)  # a writer left the idle set (a state or a context given to it): the clock starts again
+    node.check(False, 4)
+    clock.now += progress.EMPTY_NODE_S - 0.1
+    node.check(False, 4)
+    node.check(True, 4)  # a buffer was published: some writer of the node has rows
+    clock.now += progress.EMPTY_NODE_S
+    node.check(True, 4)
+    node.check(False, 4)
+    clock.now += progress.EMPTY_NODE_S
+    with pytest.raises(SchemaError, match=r"every writer of node 'n0' \(4: num_writers=2 x local_world_size=2\)"):
+        node.check(False, 4)
