@@ -126,7 +126,10 @@ def _nothing() -> None:
 
 def _is_empty(chunk: Any) -> bool:
     try:
-        first = next(iter(chunk[0].values()))
+        group = chunk[0]
+        if not isinstance(group, dict):  # a tensor's .values() is the sparse one's: a RuntimeError of torch's
+            return False
+        first = next(iter(group.values()))
         return (first.shape[0] if type(first) is torch.Tensor else len(first)) == 0  # Tensor.__len__: 0.7 us
     except (TypeError, IndexError, KeyError, StopIteration, AttributeError):
         return False  # malformed: let the layout check explain what is wrong

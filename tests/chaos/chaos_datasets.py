@@ -32,6 +32,7 @@ FAULTS = (
     "dtype",  # a later chunk changes a field's dtype
     "shape",  # a later chunk changes a field's row shape
     "non_tensor",  # a field is a Python list
+    "tensors_chunk",  # a chunk of bare tensors, not of dicts of them
     "complex",  # a complex tensor
     "object_np",  # a numpy array of Python objects
     "str_np",  # a numpy array of str
@@ -156,6 +157,8 @@ class ChaosDataset(IterableDataset):  # type: ignore[type-arg]
             group["x"] = torch.cat([group["x"], group["x"]], dim=1)
         elif fault == "non_tensor":
             group["x"] = group["x"].tolist()
+        elif fault == "tensors_chunk":
+            return [group["x"], group["id"]]
         elif fault == "complex":
             group["x"] = group["x"].to(torch.complex64)
         elif fault == "object_np":

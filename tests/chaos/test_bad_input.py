@@ -30,6 +30,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "dtype": ("later", ("chunk[0]['x']", "int32")),
     "shape": ("later", ("chunk[0]['x']", "int64[12]")),
     "non_tensor": ("any", ("chunk[0]['x']", "list")),
+    "tensors_chunk": ("any", ("chunk[0] must be a non-empty dict of tensors", "got Tensor")),
     "complex": ("any", ("chunk[0]['x']", "complex64")),
     "object_np": ("any", ("chunk[0]['x']", "object")),
     "str_np": ("any", ("chunk[0]['x']", "<U")),
