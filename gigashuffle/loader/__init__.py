@@ -98,6 +98,19 @@ class MultiprocessShuffledDataloader(CheckpointMethods, ProcessMethods):
             )
         return cfg.steps_per_epoch
 
+    def __bool__(self) -> bool:
+        """True: ``if loader:`` must not fall back to ``len()``, which an endless loader raises."""
+        return True
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        sup = self.__dict__.get("_sup")  # absent when the constructor failed before it
+        state = "closed" if sup is None or sup.closed else "open"
+        return (
+            f"<MultiprocessShuffledDataloader queue={cfg.queue_name!r} rank={cfg.global_rank} bs={cfg.bs} "
+            f"shuffle_size={cfg.shuffle_size} {state}>"
+        )
+
     def __iter__(self) -> Iterator[Any]:
         """Batches as ``list[dict]`` (one dict per group of the dataset's chunks), or a ``dict`` with
         ``DataloaderConfig.batch_format="dict"``; with ``steps_per_epoch``, that many per ``iter()``."""

@@ -261,6 +261,20 @@ def test_a_dataset_without_a_single_row_fails_next_and_get_dummy_batch_instead_o
         loader.get_dummy_batch(timeout_s=DEADLINE_S)
 
 
+def test_an_endless_loader_is_true_in_a_condition_and_says_what_it_is(redis_url: str) -> None:
+    """``if loader:`` must not fall back to ``len()``, which an endless loader raises as a TypeError."""
+    loader = MultiprocessShuffledDataloader(Counter(), _config(redis_url, "truth"))
+    try:
+        with pytest.raises(TypeError, match="steps_per_epoch"):
+            len(loader)
+        assert loader and bool(loader) is True
+        name = loader.config.queue_name
+        assert repr(loader) == f"<MultiprocessShuffledDataloader queue={name!r} rank=0 bs=4 shuffle_size=64 open>"
+    finally:
+        loader.close()
+    assert loader and repr(loader).endswith(" closed>")
+
+
 def test_an_unpicklable_dataset_is_refused_at_construction(redis_url: str, runtime_dir: Path) -> None:
     client = redis.Redis.from_url(redis_url)
     client.ping()
