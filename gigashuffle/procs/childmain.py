@@ -13,6 +13,7 @@ import pickle
 import socket
 import traceback
 
+from gigashuffle.procs import childlogs
 from gigashuffle.procs.channel import Channel
 from gigashuffle.procs.childspec import ChildSpec, retitle
 from gigashuffle.procs.messages import ChildError
@@ -26,6 +27,7 @@ def child_main(payload: bytes, title: str, control_fd: int) -> int:
     retitle(title=title)
     try:
         spec: ChildSpec = pickle.loads(payload)
+        childlogs.configure(spec.log_levels, spec.role, spec.index, spec.config.global_rank)
         import torch
 
         torch.set_num_threads(1)  # many children per node: one intra-op thread each avoids oversubscription

@@ -43,6 +43,7 @@ class ChildSpec:
     go: bool = True  # False: hold before committing any row until the trainer sends Go or LoadState
     epoch: int | None = None  # the last loader.set_epoch(), for a writer started after it
     point: ResumePoint = field(default_factory=ResumePoint)  # where a writer starts (gigashuffle/resumepoint.py)
+    log_levels: dict[str, int] = field(default_factory=dict)  # the trainer's, at the start: NOTE [ Child logs ]
 
 
 def proc_name(global_rank: int, role: str, index: int, pid: int) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.control.link import ControlLink
+from gigashuffle.procs import childlogs
 from gigashuffle.procs.childspec import NO_CONTEXT, ChildSpec
 from gigashuffle.procs.messages import Pause, Role
 from gigashuffle.procs.pickling import dumps_by_value
@@ -86,6 +87,7 @@ class ChildSpecs:
             go=self.go and not held,
             epoch=self.epoch if role == "writer" else None,
             point=self.starts.start_of(index) if role == "writer" else ResumePoint(),
+            log_levels=childlogs.trainer_levels(),
         )
         try:
             return dumps_by_value(spec)

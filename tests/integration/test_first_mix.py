@@ -71,7 +71,7 @@ def test_a_slow_start_with_every_writer_writing_logs_progress_and_no_warning(
     that makes a writer stalled, to reach the first batch's rows, both writers writing all along (writer 1 at half
     writer 0's rate: writer 0's share is in first, and it waits first_mix_wait_s for writer 1's, which never comes
     before the first batch). No WARNING from the trainer (caplog: its check of late writers runs the whole wait) or
-    the writers (their stderr: children log through Python's last resort), and the rows in / rows needed at INFO."""
+    the writers (their stderr, at the levels caplog set: NOTE [ Child logs ]), and the rows in / rows needed at INFO."""
     monkeypatch.setattr(progress, "FIRST_LINE_S", 0.2)
     caplog.set_level(logging.INFO, logger="gigashuffle")
     cfg = DataloaderConfig(
