@@ -8,7 +8,7 @@ loop, still answering ``state_dict``), and tries its dataset again after ``load_
 context; it is not a failure. Only if no writer of the node publishes the buffer within a grace period is the
 node's data empty, which is an error. A trainer waiting for its first batch does not wait that out: once every writer
 of the node has idled so for ``EMPTY_NODE_S`` with no buffer published, its ``next()`` raises a ``SchemaError``
-(``EmptyNode`` in trainer/progress.py). Chunks with zero rows still count towards ``writer_max_retries`` and fail.
+(``EmptyNode`` in trainer/waiting.py). Chunks with zero rows still count towards ``writer_max_retries`` and fail.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ its cap and fills on. A slow start is no fault: it logs a WARNING only if a writ
 for ``max(first_mix_wait_s, STALL_S)`` (each writer's lane in the slot table, NOTE [ Lanes ] in shm/lanes.py, read
 without the lock), else an INFO line. Likewise the trainer, still waiting for its first batch, warns only of its
 writers that have not written their share and have written no row for that long (their counters pages), never of
-slow but progressing ones; what the wait has filled so far it logs at INFO (trainer/progress.py). Cost: one header read
-per backoff step (at most 8 ms) of a capped writer, nothing once the node has read.
+slow but progressing ones (trainer/waiting.py); what the wait has filled so far it logs at INFO (trainer/progress.py).
+Cost: one header read per backoff step (at most 8 ms) of a capped writer, nothing once the node has read.
 """
 
 from __future__ import annotations

@@ -30,14 +30,11 @@ import torch
 
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import GigashuffleError
-from gigashuffle.host.pids import describe_process, is_stopped
-from gigashuffle.procs.firstmix import empty_writers, share, stall_s
+from gigashuffle.procs.firstmix import empty_writers, stall_s
 from gigashuffle.procs.interrupts import critical
 from gigashuffle.procs.zygoteclient import ChildProcess
 from gigashuffle.schema import INDEX_KEY
-from gigashuffle.shm.counters import W_ROWS
-from gigashuffle.shm.slottable import ShuffleBufferStats
-from gigashuffle.trainer import forks, pinning, progress
+from gigashuffle.trainer import forks, pinning, progress, waiting
 from gigashuffle.trainer.metrics import MetricsReader
 from gigashuffle.trainer.pinning import Batch
 from gigashuffle.trainer.supervisor import Supervisor
@@ -73,9 +70,9 @@ class Batches:
         self._first_batch_seen = False
         # NOTE [ First mix ] in procs/firstmix.py; with first_mix_wait_s=0 no writer waits, so none is late.
         wait = config.first_mix_wait_s
-        self._stalls = progress.StalledWriters(stall_s(config)) if wait else None
+        self._stalls = waiting.StalledWriters(stall_s(config)) if wait else None
         self._stalls_due = 0.0
-        self._empty_node = progress.EmptyNode(config)  # NOTE [ Empty shares ] in procs/chunks.py
+        self._empty_node = waiting.EmptyNode(config)  # NOTE [ Empty shares ] in procs/chunks.py
         self._empty_writers = empty_writers(sup.session)
 
     def check_open(self) -> None:
@@ -164,9 +161,9 @@ class Batches:
                     if time.monotonic() > next_warning:
                         # Slow data is legitimate (a dataset on a slow filesystem), so this is a warning, not an error.
                         log.warning(
-                            "queue %r: no batch for %.0f s; buffer %s (readers wait for %d full slots)%s",
-                            self.config.queue_name, time.monotonic() - waited_since, _counts(sup),
-                            self.config.min_full_slots, _stopped_lock_holder(sup),
+                            "queue %r: no batch for %.0f s; %s%s", self.config.queue_name,
+                            time.monotonic() - waited_since, waiting.buffer_state(sup),
+                            waiting.stopped_lock_holder(sup),
                         )  # fmt: skip
                         next_warning += _SLOW_WARNING_S
         finally:
@@ -178,14 +175,14 @@ class Batches:
         if time.monotonic() >= self._stalls_due:
             self._stalls_due = time.monotonic() + _STALL_CHECK_S
             if self._stalls is not None:
-                _log_stalled_writers(self._sup, self._stalls)
+                waiting.log_stalled_writers(self._sup, self._stalls)
             self._check_empty_node()
         if self._progress is None:
             cfg = self.config
             self._progress = progress.FillProgress(
                 f"queue {cfg.queue_name!r} rank {cfg.global_rank}",
                 cfg.min_full_slots,
-                functools.partial(_full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
+                functools.partial(waiting.full_slots, self._sup),  # not a method of self: no cycle keeps a loader alive
                 bar=cfg.local_rank == 0,  # one bar per node: the ranks of a node share the terminal and the buffer
             )
         self._progress.update()
@@ -254,43 +251,3 @@ class Batches:
         while (found := probe()) is None:
             self._sup.pump()
         return found
-
-
-def _counts(sup: Supervisor) -> ShuffleBufferStats:
-    """The slot counts from the table's header, without its lock (they never wait: NOTE [ A stopped lock holder ])."""
-    table = sup.table()
-    return ShuffleBufferStats(0, 0, 0) if table is None else table.counts()[2]
-
-
-def _stopped_lock_holder(sup: Supervisor) -> str:
-    table = sup.table()
-    holder = None if table is None else table.lock_holder()
-    if holder is None or not is_stopped(holder):
-        return ""
-    return f"; the node's slot-table lock is held by {describe_process(holder)}"
-
-
-def _log_stalled_writers(sup: Supervisor, stalls: progress.StalledWriters) -> None:
-    """Warn of this rank's writers short of their first-mix share that wrote no row for first_mix_wait_s; slow
-    but progressing writers are no fault (NOTE [ First mix ] in procs/firstmix.py)."""
-    late = set(sup.late_writers())
-    rows = {c.index: _rows_of(c) for c in sup.writers() if c.index in late}
-    stalled = stalls.check(rows)
-    if stalled:
-        cfg = sup.config
-        log.warning(
-            "queue %r rank %d: writers %s have written no row for %.0f s and not their share (%d rows) of the "
-            "node's first mix; the first batch waits for every writer's share, but a writer whose share is in waits "
-            "at most %.0f s for the others (NOTE [ First mix ] in procs/firstmix.py)",
-            cfg.queue_name, cfg.global_rank, stalled, stall_s(cfg), share(cfg), cfg.first_mix_wait_s,
-        )  # fmt: skip
-
-
-def _rows_of(child: ChildProcess) -> int | None:
-    """Rows a writer took from its dataset so far (its counters page), None before it mapped one."""
-    return None if child.counters is None else int(child.counters.read()[W_ROWS])
-
-
-def _full_slots(sup: Supervisor) -> int:
-    sup.raise_if_failed()
-    return _counts(sup).full

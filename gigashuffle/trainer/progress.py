@@ -7,8 +7,6 @@ with the rows in, the rows the first batch needs, rows/s and an ETA, and draws a
 and tqdm is installed. Logging is never configured here: the application's handlers decide where the lines go; where
 the application configured none (Python would drop an INFO line) and no bar is drawn, the lines go to stderr as they
 are, so a job under torchrun or in a batch system is not silent while it waits. ``StalledWriters`` picks the writers
-to warn about while the first batch is late: only those that wrote no row for a while (NOTE [ First mix ] in
-procs/firstmix.py), never slow but progressing ones. ``EmptyNode`` ends a wait that no row can end.
 """
 
 from __future__ import annotations
@@ -19,10 +17,6 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
-
-from gigashuffle.config import DataloaderConfig
-from gigashuffle.errors import SchemaError
-from gigashuffle.procs.firstmix import node_writers
 
 log = logging.getLogger(__name__)
 
@@ -145,75 +139,6 @@ class FillProgress:
                 self._stream.flush()
             except (OSError, ValueError):  # a closed stderr
                 pass
-
-
-class StalledWriters:
-    """Which writers a trainer waiting for its first batch should warn about: those whose rows (``None``: not known
-    yet, as 0) have not changed for ``stall_s``, each once (NOTE [ First mix ] in procs/firstmix.py). The clock starts
-    at the first check, i.e. the first wait: a loader built long before it was first iterated has no stalled
-    writer for that alone."""
-
-    def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.stall_s = stall_s
-        self.clock = clock
-        self._started: float | None = None
-        self._seen: dict[int, tuple[int, float]] = {}  # writer -> (rows, since when)
-        self._warned: set[int] = set()
-
-    def check(self, rows: dict[int, int | None]) -> list[int]:
-        """The writers of ``rows`` (writer -> rows written so far) stalled for ``stall_s`` and not warned of yet."""
-        now = self.clock()
-        if self._started is None:
-            self._started = now
-        out = []
-        for writer, n in sorted(rows.items()):
-            count = n or 0
-            last = self._seen.get(writer)
-            if last is None or last[0] != count:
-                self._seen[writer] = (count, self._started if last is None and count == 0 else now)
-            elif now - last[1] >= self.stall_s and writer not in self._warned:
-                self._warned.add(writer)
-                out.append(writer)
-        return out
-
-
-EMPTY_NODE_S = 10.0
-"""How long every writer of the node must have idled on an empty share, with no buffer published, before a trainer
-waiting for its first batch calls the node's data empty (NOTE [ Empty shares ] in procs/chunks.py)."""
-
-
-class EmptyNode:
-    """A trainer waiting for its first batch, on a node none of whose writers has a row to write: every writer of the
-    node idles on an empty share (its ``__iter__`` ended ``writer_max_retries + 1`` times in a row without a chunk)
-    and none published the buffer. That wait could only end in the writers' own error, ``_EMPTY_SHARE_GRACE_S`` into
-    their idling; the trainer fails instead, once it has seen it for ``EMPTY_NODE_S`` (a writer given a state or a
-    context meanwhile leaves the idle set, and the clock starts again)."""
-
-    def __init__(self, config: DataloaderConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.clock = clock
-        self._since: float | None = None
-
-    def check(self, published: bool, empty: int) -> None:
-        """``empty``: the node's writers idling on an empty share now; ``published``: whether a buffer is."""
-        cfg = self.config
-        writers = node_writers(cfg)
-        if published or empty < writers:
-            self._since = None
-            return
-        now = self.clock()
-        if self._since is None:
-            self._since = now
-        if now - self._since < EMPTY_NODE_S:
-            return
-        raise SchemaError(
-            f"queue {cfg.queue_name!r} rank {cfg.global_rank}: no batch can come: every writer of node {cfg.node!r} "
-            f"({writers}: num_writers={cfg.num_writers} x local_world_size={cfg.local_world_size}) found its share "
-            f"of the dataset empty (its __iter__ ended writer_max_retries+1={cfg.writer_max_retries + 1} times in a "
-            "row without yielding a chunk), and none wrote a row. The dataset is empty (a file list or a path that "
-            "matches nothing?), or its shards are fewer than the job's writers and none fell to this node; add "
-            "shards or use fewer writers"
-        )
 
 
 def _is_terminal(stream: TextIO) -> bool:

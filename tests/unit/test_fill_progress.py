@@ -12,8 +12,9 @@ from types import ModuleType
 import pytest
 
 from gigashuffle import DataloaderConfig, SchemaError
-from gigashuffle.trainer import progress
-from gigashuffle.trainer.progress import EmptyNode, FillProgress, StalledWriters, format_eta
+from gigashuffle.trainer import progress, waiting
+from gigashuffle.trainer.progress import FillProgress, format_eta
+from gigashuffle.trainer.waiting import EmptyNode, StalledWriters
 
 LINE = re.compile(
     r"^queue 'q' rank 0: filling the shuffle buffer: (?P<rows>[\d,]+)/(?P<total>[\d,]+) rows \((?P<pct>[\d.]+)%\), "
@@ -218,16 +219,16 @@ def test_an_empty_node_fails_only_once_every_writer_idled_empty_unpublished_for_
     clock.now += 100.0
     node.check(False, 3)  # a writer of the node still has rows to come (or has not started)
     node.check(False, 4)  # the clock starts here
-    clock.now += progress.EMPTY_NODE_S - 0.1
+    clock.now += waiting.EMPTY_NODE_S - 0.1
     node.check(False, 4)
     node.check(False, 3)  # a writer left the idle set (a state or a context given to it): the clock starts again
     node.check(False, 4)
-    clock.now += progress.EMPTY_NODE_S - 0.1
+    clock.now += waiting.EMPTY_NODE_S - 0.1
     node.check(False, 4)
     node.check(True, 4)  # a buffer was published: some writer of the node has rows
-    clock.now += progress.EMPTY_NODE_S
+    clock.now += waiting.EMPTY_NODE_S
     node.check(True, 4)
     node.check(False, 4)
-    clock.now += progress.EMPTY_NODE_S
+    clock.now += waiting.EMPTY_NODE_S
     with pytest.raises(SchemaError, match=r"every writer of node 'n0' \(4: num_writers=2 x local_world_size=2\)"):
         node.check(False, 4)
