@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from datasets import (
 
 import gigashuffle
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
-from gigashuffle.sources import Chunked, chunks
+from gigashuffle.sources import Chunked, FixedLength, chunks
 
 REPO_ROOT = Path(gigashuffle.__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
@@ -163,6 +164,34 @@ def test_a_webdataset_pipeline_cannot_checkpoint_and_the_error_names_the_tar_rea
         with pytest.raises(CheckpointError, match=r"webdataset pipeline .*Sharded\(shards, TarReader\("):
             loader.state_dict()
         assert take(iter(loader), 1)[0][0]["id"].shape == (4,), "the loader reads on after the refusal"
+
+
+class _Tokenized:
+    """Token ids of 1 to 11 per sample, as a tokenizer gives them: ``id`` 0.. with ``id % 11 + 1`` tokens."""
+
+    def __iter__(self) -> Any:
+        for i in range(400):
+            yield {"id": i, "input_ids": list(range(100, 100 + i % 11 + 1))}
+
+
+def test_variable_length_token_ids_reach_the_trainer_padded_with_their_lengths(redis_url: str) -> None:
+    """A source of token ids of many lengths: without a transform its chunks cannot be stacked (the writer's error
+    names the field and FixedLength); with ``FixedLength`` every row arrives cut or padded, its length beside it."""
+    cfg = DataloaderConfig(bs=8, shuffle_size=64, queue_name=f"varlen-{uuid.uuid4().hex[:8]}", num_writers=1,
+                           num_readers=1, redis_url=redis_url)  # fmt: skip
+    unstackable = r"field 'input_ids' has values of different shapes.*FixedLength"
+    with (
+        MultiprocessShuffledDataloader(Chunked(_Tokenized(), rows=8), cfg) as loader,
+        pytest.raises(gigashuffle.WorkerDied, match=unstackable),
+    ):
+        take(iter(loader), 1)
+    fixed = Chunked(_Tokenized(), rows=8, transform=FixedLength({"input_ids": 8}, pad=0))
+    with MultiprocessShuffledDataloader(fixed, replace(cfg, queue_name=f"{cfg.queue_name}-fixed")) as loader:
+        for batch in take(iter(loader), 20):
+            group = batch[0]
+            assert group["input_ids"].shape == (8, 8)
+            for i, ids, n in zip(group["id"].tolist(), group["input_ids"].tolist(), group["input_ids_length"].tolist()):
+                assert n == min(i % 11 + 1, 8) and ids == list(range(100, 100 + n)) + [0] * (8 - n)
 
 
 def test_a_hugging_face_dataset_split_by_node_is_refused(tmp_path: Path) -> None:
