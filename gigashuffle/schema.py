@@ -134,7 +134,8 @@ class Layout:
                 got = f"{dtype_name(tensor.dtype)}{list(tensor.shape[1:])}"
                 raise SchemaError(
                     f"{spec.label} changed layout: the first chunk had rows of {spec.describe()}, this chunk "
-                    f"has {got}; every chunk must keep each field's dtype and row shape"
+                    f"has {got}; every chunk must keep each field's dtype and row shape (values of varying length: "
+                    "gigashuffle.sources.FixedLength gives them one)"
                 )
             if rows is None:
                 rows = int(tensor.shape[0])
