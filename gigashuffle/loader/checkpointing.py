@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
 from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
 
 # How long state_dict()/load_state_dict() wait for a thread inside next() to return (Supervisor.turn): a cut
 # that waited for the turn without end would wait for a batch its own pause keeps from coming.
@@ -63,6 +66,14 @@ class CheckpointMethods:
         self._require_state_methods("load_state_dict")
         with self._turn("load_state_dict"):
             self._checkpoints.load_state_dict(state)
+        if self._sup.reading_began:
+            cfg = self.config
+            log.warning(
+                "queue %r rank %d: load_state_dict() came after this loader's first iter(): the rows its writers "
+                "put into the node's buffer since then are not the checkpoint's, so some may come twice; load a "
+                "checkpoint before the first iter() (NOTE [ Restore before reading ] in procs/resume.py)",
+                cfg.queue_name, cfg.global_rank,
+            )  # fmt: skip
 
     @contextlib.contextmanager
     def _turn(self, caller: str) -> Iterator[None]:

@@ -27,6 +27,7 @@ class Children:
         self.all = children
         self._starts = specs.starts
         self.specs = specs
+        self.reading_began = False  # this rank's iter() or next() said go (a later load_state_dict() is too late)
         self._zygote_title = f"gigashuffle zygote {self.config.queue_name} rank={self.config.global_rank}"
         self.zygote = Zygote(self._zygote_title)
 
@@ -60,6 +61,7 @@ class Children:
     def say_go(self, send: bool = True) -> None:
         """Let writers that hold before reading go on (NOTE [ Restore before reading ]); later ones start going.
         ``send=False``: only later ones (a ``LoadState`` on its way says go to the live ones)."""
+        self.reading_began = self.reading_began or send
         if not self.specs.go:
             self.specs.go = True
             if send:

@@ -252,6 +252,10 @@ class Supervisor:
     def say_go(self, send: bool = True) -> None:
         self._children.say_go(send)
 
+    @property
+    def reading_began(self) -> bool:
+        return self._children.reading_began
+
     def set_context(self, context: Any) -> None:
         self._children.set_context(context)
 
