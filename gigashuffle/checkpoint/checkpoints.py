@@ -30,6 +30,7 @@ class Checkpoints:
         self.resume = ResumePoints(config.num_writers)
         self.cuts = CutState()
         self._sup: Supervisor | None = None
+        self.loaded = False  # a load_state_dict() went through on this loader
 
     def bind(self, sup: Supervisor) -> None:
         """Hear ``sup``'s events (before its first pump: no message is missed)."""
@@ -62,6 +63,7 @@ class Checkpoints:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """``loader.load_state_dict()``: checked in full before any writer is sent anything."""
         parts.restore(self._bound(), self.resume, self.config, state)
+        self.loaded = True
 
     @property
     def last_cut_s(self) -> float:

@@ -12,6 +12,8 @@ import torch
 from gigashuffle.checkpoint.checkpoints import Checkpoints
 from gigashuffle.config import DataloaderConfig
 from gigashuffle.errors import CheckpointError
+from gigashuffle.procs.interrupts import critical
+from gigashuffle.shm.lanes import NO_LANE, writer_lanes
 from gigashuffle.sources import missing_state_methods
 from gigashuffle.trainer.supervisor import Supervisor
 
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 # How long state_dict()/load_state_dict() wait for a thread inside next() to return (Supervisor.turn): a cut
 # that waited for the turn without end would wait for a batch its own pause keeps from coming.
 _TURN_WAIT_S = 60.0
+_LANES_WAIT_S = 5.0  # a lock held longer (a stopped holder) is read around: tablereadings.py
 
 
 class CheckpointMethods:
@@ -65,15 +68,36 @@ class CheckpointMethods:
         self._check_open()
         self._require_state_methods("load_state_dict")
         with self._turn("load_state_dict"):
+            written = self._rows_written_unrestored()
             self._checkpoints.load_state_dict(state)
+        cfg = self.config
         if self._sup.reading_began:
-            cfg = self.config
             log.warning(
                 "queue %r rank %d: load_state_dict() came after this loader's first iter(): the rows its writers "
                 "put into the node's buffer since then are not the checkpoint's, so some may come twice; load a "
                 "checkpoint before the first iter() (NOTE [ Restore before reading ] in procs/resume.py)",
                 cfg.queue_name, cfg.global_rank,
             )  # fmt: skip
+        elif written:
+            log.warning(
+                "queue %r rank %d: load_state_dict() came after this writer-only rank's writers put %d rows into "
+                "the node's buffer (they do not wait for a checkpoint: num_readers=0), rows the checkpoint does not "
+                "know, so some may come twice; load a checkpoint right after constructing the loader",
+                cfg.queue_name, cfg.global_rank, written,
+            )  # fmt: skip
+
+    def _rows_written_unrestored(self) -> int:
+        """Rows a writer-only rank's writers committed before its first ``load_state_dict()``: they never hold for
+        one (NOTE [ Restore before reading ] in procs/resume.py), so a late load meets rows it does not know."""
+        cfg = self.config
+        table = self._sup.table()
+        if cfg.num_readers > 0 or self._checkpoints.loaded or table is None:
+            return 0
+        lanes = tuple(writer_lanes(cfg.local_rank, i)[0] for i in range(cfg.num_writers))
+        if NO_LANE in lanes:
+            return 0
+        with critical(blocking=True):  # the node's locks are held only inside: NOTE [ Ctrl-C ]
+            return sum(table.lane_values(lanes, wait_s=_LANES_WAIT_S))
 
     @contextlib.contextmanager
     def _turn(self, caller: str) -> Iterator[None]:

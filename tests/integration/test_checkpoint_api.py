@@ -6,7 +6,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_job import FiniteIds
-from datasets import Counter, take, wait_for, writer_of
+from datasets import DEADLINE_S, Counter, take, wait_for, writer_of
 
 from gigashuffle import CheckpointError, DataloaderConfig, MultiprocessShuffledDataloader, ShuffleBufferStats
 from gigashuffle.checkpoint.parts import own_part
@@ -225,3 +227,33 @@ def test_a_checkpoint_loaded_after_the_first_iter_is_warned_of(
         take(iter(loader), 1)
         loader.load_state_dict(state)
     assert warned() == 1
+
+
+def test_a_writer_only_rank_whose_writers_wrote_before_its_load_is_warned_of(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank with ``num_readers=0`` never holds its writers for a checkpoint (NOTE [ Restore before reading ]): its
+    writers write from the start, so a checkpoint loaded after their first commit meets rows it does not know (probed:
+    64 rows twice in the saved way), and the loader says so, with the count."""
+    common = dict(bs=8, shuffle_size=64, num_writers=1, local_world_size=2, global_world_size=2,
+                  queue_name=f"feedonly-{uuid.uuid4().hex[:8]}", redis_url=redis_url)  # fmt: skip
+    reading = DataloaderConfig(global_rank=0, local_rank=0, num_readers=1, **common)  # type: ignore[arg-type]
+    feeding = DataloaderConfig(global_rank=1, local_rank=1, num_readers=0, **common)  # type: ignore[arg-type]
+    state: dict[str, Any] = {}
+    with (
+        MultiprocessShuffledDataloader(FiniteIds(400, 20), reading) as r0,
+        MultiprocessShuffledDataloader(FiniteIds(400, 20), feeding) as r1,
+    ):
+        take(iter(r0), 2)
+        # The node's cut meets both ranks at once: rank 1's call from a thread, as from a process of its own.
+        feeder = threading.Thread(target=lambda: state.update(r1.state_dict()))
+        feeder.start()
+        state.update(r0.state_dict())
+        feeder.join(DEADLINE_S)
+        assert not feeder.is_alive() and set(state) == {"rank0", "rank1"}, state.keys()
+    caplog.set_level(logging.WARNING, logger="gigashuffle.loader.checkpointing")
+    with MultiprocessShuffledDataloader(FiniteIds(400, 20), feeding) as r1:
+        wait_for(lambda: r1.stats().full > 0, "the writer-only rank's writer to commit rows")
+        r1.load_state_dict(state)
+    warned = [r.getMessage() for r in caplog.records if "writer-only rank's writers put" in r.getMessage()]
+    assert len(warned) == 1 and re.search(r"put [1-9]\d* rows into the node's buffer", warned[0]), warned
