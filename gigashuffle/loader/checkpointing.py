@@ -90,8 +90,10 @@ class CheckpointMethods:
         """Rows a writer-only rank's writers committed before its first ``load_state_dict()``: they never hold for
         one (NOTE [ Restore before reading ] in procs/resume.py), so a late load meets rows it does not know."""
         cfg = self.config
+        if cfg.num_readers > 0 or self._checkpoints.loaded:
+            return 0
         table = self._sup.table()
-        if cfg.num_readers > 0 or self._checkpoints.loaded or table is None:
+        if table is None:
             return 0
         lanes = tuple(writer_lanes(cfg.local_rank, i)[0] for i in range(cfg.num_writers))
         if NO_LANE in lanes:
